@@ -1,0 +1,15 @@
+"""ckptstore: a content-addressed checkpoint store for PyTorch training.
+
+    from ckptstore import Store, RNGState
+    store = Store("checkpoints/run1")
+    start = store.resume(state)          # newest valid committed step, or None
+    store.save(state, step)              # -> SaveResult
+"""
+__version__ = "0.1.0"
+
+from .errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError, UploadError  # noqa: E402
+from .state import RNGState  # noqa: E402
+from .store import SaveResult, Store  # noqa: E402
+
+__all__ = ["Store", "RNGState", "SaveResult", "CheckpointError", "CorruptCheckpointError",
+           "IncompatibleCheckpointError", "UploadError", "__version__"]

@@ -1,0 +1,88 @@
+"""Step metadata on a storage: which steps exist, their manifests and commit markers.
+
+The commit protocol, as seen from here: manifests are written first (one per rank), the commit marker last.
+A step is *committed* iff its commit marker exists; only committed steps are listed by
+:meth:`Catalog.committed_steps`. Deleting a step removes its commit marker first, so a crash halfway through a
+deletion leaves an uncommitted (invisible) directory, never a committed step with missing parts.
+"""
+from __future__ import annotations
+
+import logging
+from typing import List, Optional, Tuple
+
+from .blobs import digest_bytes
+from .errors import CorruptCheckpointError
+from .layout import STEPS, commit_path, manifest_path, parse_manifest_name, parse_step_dir, step_dir
+from .manifest import Commit, Manifest, decode_commit, decode_manifest, encode_commit, encode_manifest
+
+log = logging.getLogger("ckptstore")
+
+
+class Catalog:
+    def __init__(self, storage):
+        self.storage = storage
+
+    # -- listing ------------------------------------------------------------------------------------------
+    def step_dirs(self) -> List[int]:
+        """Every step directory, committed or not, ascending."""
+        return sorted(s for s in (parse_step_dir(n) for n in self.storage.listdir(STEPS)) if s is not None)
+
+    def is_committed(self, step: int) -> bool:
+        return self.storage.exists(commit_path(step))
+
+    def committed_steps(self) -> List[int]:
+        """Steps that have a commit marker, ascending (their contents are not verified here)."""
+        return [s for s in self.step_dirs() if self.is_committed(s)]
+
+    def manifest_ranks(self, step: int) -> List[int]:
+        return sorted(r for r in (parse_manifest_name(n) for n in self.storage.listdir(step_dir(step)))
+                      if r is not None)
+
+    # -- reading ------------------------------------------------------------------------------------------
+    def read_commit(self, step: int) -> Commit:
+        """Raises ``CorruptCheckpointError`` when the marker is missing, truncated or invalid."""
+        path = commit_path(step)
+        try:
+            data = self.storage.read_bytes(path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError("commit marker missing", step=step, blob=path) from None
+        return decode_commit(data, step=step, what=path)
+
+    def read_manifest(self, commit: Commit, rank: int) -> Manifest:
+        """Read one rank's manifest and check it against the digest its commit marker recorded."""
+        path = manifest_path(commit.step, rank)
+        if rank not in commit.manifests:
+            raise CorruptCheckpointError(f"commit marker names no manifest for rank {rank}", step=commit.step,
+                                         blob=path)
+        try:
+            data = self.storage.read_bytes(path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError("manifest missing", step=commit.step, blob=path) from None
+        want_digest, want_size = commit.manifests[rank]
+        if len(data) != want_size or digest_bytes(data) != want_digest.hex():
+            raise CorruptCheckpointError(f"manifest does not match its commit marker ({len(data)} bytes, "
+                                         f"expected {want_size})", step=commit.step, blob=path)
+        return decode_manifest(data, step=commit.step, rank=rank, what=path)
+
+    def manifest_digest(self, step: int, rank: int) -> Tuple[bytes, int]:
+        data = self.storage.read_bytes(manifest_path(step, rank))
+        return bytes.fromhex(digest_bytes(data)), len(data)
+
+    # -- writing ------------------------------------------------------------------------------------------
+    def write_manifest(self, manifest: Manifest) -> Tuple[bytes, int]:
+        """Write a manifest atomically; return its (digest, size) for the commit marker."""
+        data = encode_manifest(manifest)
+        self.storage.write_atomic(manifest_path(manifest.step, manifest.rank), data)
+        return bytes.fromhex(digest_bytes(data)), len(data)
+
+    def write_commit(self, commit: Commit) -> None:
+        """Write the commit marker: from this moment the step is visible."""
+        self.storage.write_atomic(commit_path(commit.step), encode_commit(commit))
+
+    def uncommit(self, step: int) -> None:
+        self.storage.delete(commit_path(step))
+
+    def delete_step(self, step: int) -> None:
+        """Remove a step: commit marker first, then the rest."""
+        self.uncommit(step)
+        self.storage.rmtree(step_dir(step))

@@ -1,0 +1,87 @@
+"""Garbage collection: mark every blob referenced by a committed step, sweep the rest.
+
+Also removes what crashes leave behind: uncommitted step directories and temp files. Anything younger than
+``grace_seconds`` is kept, so a save that is in flight in another process (its blobs and manifests exist,
+its commit marker not yet) is never swept. If any committed step's metadata cannot be read, no blob is swept
+(we cannot know what that step references) unless ``force`` is given.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Set
+
+from .errors import CheckpointError
+from .layout import OBJECTS, blob_path, parse_blob_name, step_dir
+
+log = logging.getLogger("ckptstore")
+
+
+@dataclass
+class GCReport:
+    blobs_deleted: int = 0
+    bytes_freed: int = 0
+    steps_removed: List[int] = field(default_factory=list)      # uncommitted step directories
+    temp_files_removed: int = 0
+    unreadable_steps: List[int] = field(default_factory=list)
+    dry_run: bool = False
+
+
+def referenced_blobs(catalog, committed: List[int], report: GCReport) -> Set[str]:
+    live: Set[str] = set()
+    for step in committed:
+        try:
+            commit = catalog.read_commit(step)
+            for rank in sorted(commit.manifests):
+                live |= catalog.read_manifest(commit, rank).blob_ids()
+        except CheckpointError as e:
+            log.warning("gc: cannot read step %d (%s)", step, e)
+            report.unreadable_steps.append(step)
+    return live
+
+
+def collect(storage, catalog, blobs, *, grace_seconds: float = 3600.0, dry_run: bool = False,
+            force: bool = False, keep_steps: Optional[Set[int]] = None) -> GCReport:
+    """Delete unreferenced blobs, uncommitted step directories and stale temp files older than the grace."""
+    report = GCReport(dry_run=dry_run)
+    now = time.time()
+
+    def old(path: str) -> bool:
+        m = storage.mtime(path)
+        return m is None or now - m >= grace_seconds
+
+    committed = catalog.committed_steps()
+    for step in catalog.step_dirs():
+        if step in committed or (keep_steps and step in keep_steps):
+            continue
+        sd = step_dir(step)
+        names = storage.listdir(sd)
+        if all(old(f"{sd}/{n}") for n in names) and old(sd):
+            report.steps_removed.append(step)
+            if not dry_run:
+                storage.rmtree(sd)
+    live = referenced_blobs(catalog, committed, report)
+    sweep = not report.unreadable_steps or force
+    if not sweep:
+        log.warning("gc: not sweeping blobs: steps %s are unreadable (repair or delete them, or use force)",
+                    report.unreadable_steps)
+    for prefix in storage.listdir(OBJECTS):
+        for name in storage.listdir(f"{OBJECTS}/{prefix}"):
+            path = f"{OBJECTS}/{prefix}/{name}"
+            parsed = parse_blob_name(name)
+            if parsed is None:
+                if ".tmp-" in name and old(path):
+                    report.temp_files_removed += 1
+                    if not dry_run:
+                        storage.delete(path)
+                continue
+            blob_id, codec = parsed
+            if not sweep or blob_id in live or not old(path):
+                continue
+            report.blobs_deleted += 1
+            report.bytes_freed += storage.size(path) or 0
+            if not dry_run:
+                blobs.forget(blob_id)
+                storage.delete(blob_path(blob_id, codec))
+    return report

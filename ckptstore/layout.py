@@ -1,0 +1,87 @@
+"""Where things live inside a store root (local directory or remote prefix).
+
+This module is the only one that spells file names; every path it returns is relative to the store root and
+uses ``/``. Everything read from an untrusted store (blob ids, step names) is validated here before it is
+turned into a path, so nothing in a manifest can name a file outside the root.
+
+Layout (format version 1)::
+
+    objects/<id[:2]>/<id>          blob, raw bytes             (id = BLAKE3-256 hex of the raw bytes)
+    objects/<id[:2]>/<id>.zst      blob, zstd frame of the raw bytes
+    steps/<step:012d>/manifest-rank<rank:05d>.msgpack
+    steps/<step:012d>/COMMIT       commit marker, written last: makes the step visible
+    latest                         latest pointer (JSON), names the newest committed step
+    quarantine/                    blobs found corrupt on read, moved aside so the next save rewrites them
+"""
+from __future__ import annotations
+
+import re
+
+OBJECTS = "objects"
+STEPS = "steps"
+LATEST = "latest"
+QUARANTINE = "quarantine"
+COMMIT_NAME = "COMMIT"
+STORE_MARKER = "ckptstore.json"
+
+CODEC_SUFFIX = {"raw": "", "zstd": ".zst"}
+_HASH_RE = re.compile(r"^[0-9a-f]{64}$")
+_STEP_DIR_RE = re.compile(r"^[0-9]{12}$")
+_MANIFEST_RE = re.compile(r"^manifest-rank([0-9]{5})\.msgpack$")
+_BLOB_RE = re.compile(r"^([0-9a-f]{64})(\.zst)?$")
+MAX_STEP = 10**12 - 1
+
+
+def check_blob_id(blob_id: str) -> str:
+    """Return ``blob_id`` if it is a 64-char lowercase hex digest, else raise ``ValueError``."""
+    if not isinstance(blob_id, str) or not _HASH_RE.match(blob_id):
+        raise ValueError(f"invalid blob id {blob_id!r}: expected 64 lowercase hex characters")
+    return blob_id
+
+
+def check_step(step) -> int:
+    """Return ``step`` if it is an int in [0, 10**12), else raise ``ValueError`` / ``TypeError``."""
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an int, got {type(step).__name__}")
+    if not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step {step} out of range [0, {MAX_STEP}]")
+    return step
+
+
+def blob_path(blob_id: str, codec: str) -> str:
+    check_blob_id(blob_id)
+    if codec not in CODEC_SUFFIX:
+        raise ValueError(f"unknown codec {codec!r}")
+    return f"{OBJECTS}/{blob_id[:2]}/{blob_id}{CODEC_SUFFIX[codec]}"
+
+
+def parse_blob_name(name: str):
+    """``'<id>'`` -> ``(id, 'raw')``, ``'<id>.zst'`` -> ``(id, 'zstd')``, anything else -> ``None``."""
+    m = _BLOB_RE.match(name)
+    if not m:
+        return None
+    return m.group(1), ("zstd" if m.group(2) else "raw")
+
+
+def step_dir(step: int) -> str:
+    return f"{STEPS}/{check_step(step):012d}"
+
+
+def parse_step_dir(name: str):
+    """``'000000000100'`` -> 100; anything else -> ``None``."""
+    return int(name) if _STEP_DIR_RE.match(name) else None
+
+
+def manifest_path(step: int, rank: int) -> str:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 100000:
+        raise ValueError(f"invalid rank {rank!r}")
+    return f"{step_dir(step)}/manifest-rank{rank:05d}.msgpack"
+
+
+def parse_manifest_name(name: str):
+    m = _MANIFEST_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def commit_path(step: int) -> str:
+    return f"{step_dir(step)}/{COMMIT_NAME}"

@@ -1,0 +1,300 @@
+"""Manifest and commit-marker schema: msgpack, versioned, checksummed, validated on read.
+
+Every metadata file is a *frame*: a msgpack map ``{"magic": "ckptstore", "kind": <"manifest"|"commit">,
+"format": <int>, "body": <msgpack bytes>, "blake3": <32 bytes>}``. The checksum covers ``body``, so a
+truncated or bit-flipped file is detected before anything in it is believed. Nothing is ever unpickled: msgpack
+decodes to plain values only, and everything decoded is checked here against the schema (types, ranges, blob
+ids, dtypes, byte counts) before other modules see it.
+
+Manifest body (one per rank and step)::
+
+    {"step": int, "rank": int, "world_size": int, "stateful": [str, ...],
+     "nodes": [[path, kind, payload], ...]}            # pre-order, see ckptstore.state.Node
+    path    = [str | int, ...]
+    payload = tensor:  {"dtype": "float32", "shape": [int], "device": "cpu", "requires_grad": bool,
+                        "chunks": [[blob_id, raw_nbytes, codec], ...]}
+              ndarray / npscalar: {"dtype": "<f4", "shape": [int], "chunks": [...]}
+              value: the value | bigint: decimal str | dtype: torch dtype name | list/tuple: length | dict: nil
+
+Commit body (one per step, written last)::
+
+    {"step": int, "world_size": int, "created": float (unix seconds), "bytes_total": int,
+     "manifests": [[rank, blake3 of the manifest file (32 bytes), size in bytes], ...],
+     "metrics": {str: plain value}, "config": {str: plain value} | nil, "writer": "ckptstore <version>"}
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import msgpack
+import numpy as np
+import torch
+
+from .blobs import CODECS, digest_bytes
+from .errors import CorruptCheckpointError, IncompatibleCheckpointError
+from .layout import check_blob_id, check_step
+from .state import TORCH_DTYPES, KeyPath, path_str
+
+FORMAT_VERSION = 1
+MAGIC = "ckptstore"
+_NP_DTYPE_RE = re.compile(r"^[<>|=][biufcSUVmM][0-9]+(\[[0-9]*[a-zA-Z]+\])?$")
+CONTAINER_KINDS = ("dict", "list", "tuple")
+ARRAY_KINDS = ("tensor", "ndarray", "npscalar")
+NODE_KINDS = CONTAINER_KINDS + ARRAY_KINDS + ("value", "bigint", "dtype")
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """One chunk of a tensor's bytes: the blob holding it, its raw length in bytes, and the blob's codec."""
+    blob_id: str
+    nbytes: int
+    codec: str
+
+
+@dataclass
+class ArrayEntry:
+    """Where a tensor's / array's bytes live. ``dtype`` is a torch dtype name or a numpy dtype string."""
+    dtype: str
+    shape: Tuple[int, ...]
+    chunks: List[ChunkRef]
+    device: str = "cpu"
+    requires_grad: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks)
+
+
+@dataclass
+class ManifestNode:
+    path: KeyPath
+    kind: str
+    payload: Any = None       # ArrayEntry for array kinds, else as in the module docstring
+
+
+@dataclass
+class Manifest:
+    step: int
+    rank: int
+    world_size: int
+    stateful: List[str]
+    nodes: List[ManifestNode]
+
+    def arrays(self):
+        """(node, ArrayEntry) for every tensor / array node, in order."""
+        return [(n, n.payload) for n in self.nodes if n.kind in ARRAY_KINDS]
+
+    def blob_ids(self):
+        return {c.blob_id for _, e in self.arrays() for c in e.chunks}
+
+    @property
+    def bytes_total(self) -> int:
+        return sum(e.nbytes for _, e in self.arrays())
+
+
+@dataclass
+class Commit:
+    step: int
+    world_size: int
+    manifests: Dict[int, Tuple[bytes, int]]      # rank -> (blake3 digest, size in bytes)
+    created: float
+    bytes_total: int
+    metrics: Dict[str, Any] = field(default_factory=dict)
+    config: Optional[Dict[str, Any]] = None
+    writer: str = ""
+
+
+# -- framing ------------------------------------------------------------------------------------------------
+def frame(kind: str, body: Dict[str, Any]) -> bytes:
+    packed = msgpack.packb(body, use_bin_type=True)
+    return msgpack.packb({"magic": MAGIC, "kind": kind, "format": FORMAT_VERSION, "body": packed,
+                          "blake3": bytes.fromhex(digest_bytes(packed))}, use_bin_type=True)
+
+
+def unframe(data: bytes, kind: str, *, what: str, step: Optional[int] = None) -> Dict[str, Any]:
+    """Check a frame's magic, kind, format version and checksum; return the decoded body.
+
+    Raises ``CorruptCheckpointError`` (naming ``what``, the file) on any damage, and
+    ``IncompatibleCheckpointError`` for a format version newer than this library reads.
+    """
+    def corrupt(msg):
+        return CorruptCheckpointError(f"{what}: {msg}", step=step, blob=what)
+    try:
+        outer = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=1 << 31)
+    except Exception as e:  # msgpack raises several types for truncated / garbage input
+        raise corrupt(f"not a ckptstore file ({type(e).__name__}: {e})") from None
+    if not isinstance(outer, dict) or outer.get("magic") != MAGIC:
+        raise corrupt("not a ckptstore file (bad magic)")
+    if outer.get("kind") != kind:
+        raise corrupt(f"expected a {kind}, found {outer.get('kind')!r}")
+    fmt = outer.get("format")
+    if not isinstance(fmt, int) or isinstance(fmt, bool) or fmt < 1:
+        raise corrupt(f"bad format version {fmt!r}")
+    if fmt > FORMAT_VERSION:
+        raise IncompatibleCheckpointError(f"{what} has format version {fmt}; this ckptstore reads up to "
+                                          f"{FORMAT_VERSION}: upgrade ckptstore", step=step)
+    body, checksum = outer.get("body"), outer.get("blake3")
+    if not isinstance(body, bytes) or not isinstance(checksum, bytes):
+        raise corrupt("missing body or checksum")
+    if digest_bytes(body) != checksum.hex():
+        raise corrupt("checksum mismatch")
+    try:
+        decoded = msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True)
+    except Exception as e:
+        raise corrupt(f"undecodable body ({type(e).__name__})") from None
+    if not isinstance(decoded, dict):
+        raise corrupt("body is not a map")
+    return decoded
+
+
+# -- manifest -----------------------------------------------------------------------------------------------
+def encode_manifest(m: Manifest) -> bytes:
+    nodes = []
+    for n in m.nodes:
+        p = n.payload
+        if n.kind in ARRAY_KINDS:
+            d = {"dtype": p.dtype, "shape": list(p.shape),
+                 "chunks": [[c.blob_id, c.nbytes, c.codec] for c in p.chunks]}
+            if n.kind == "tensor":
+                d["device"], d["requires_grad"] = p.device, p.requires_grad
+            p = d
+        nodes.append([list(n.path), n.kind, p])
+    return frame("manifest", {"step": m.step, "rank": m.rank, "world_size": m.world_size,
+                              "stateful": list(m.stateful), "nodes": nodes})
+
+
+def _int(v, what, lo=0, hi=None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        raise ValueError(f"{what}: expected an int in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def itemsize(kind: str, dtype: str) -> int:
+    if kind == "tensor":
+        if dtype not in TORCH_DTYPES:
+            raise ValueError(f"unknown torch dtype {dtype!r}")
+        return torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
+    if not isinstance(dtype, str) or not _NP_DTYPE_RE.match(dtype):
+        raise ValueError(f"unsupported numpy dtype {dtype!r}")
+    dt = np.dtype(dtype)
+    if dt.hasobject:
+        raise ValueError(f"object numpy dtype {dtype!r}")
+    return dt.itemsize
+
+
+def _decode_array(kind: str, p: Any, where: str) -> ArrayEntry:
+    if not isinstance(p, dict):
+        raise ValueError(f"{where}: array payload is not a map")
+    dtype = p.get("dtype")
+    size = itemsize(kind, dtype)
+    shape = p.get("shape")
+    if not isinstance(shape, list) or len(shape) > 64:
+        raise ValueError(f"{where}: bad shape {shape!r}")
+    shape = tuple(_int(s, f"{where} shape", 0, 1 << 48) for s in shape)
+    chunks_raw = p.get("chunks")
+    if not isinstance(chunks_raw, list):
+        raise ValueError(f"{where}: chunks is not a list")
+    chunks = []
+    for c in chunks_raw:
+        if not isinstance(c, list) or len(c) != 3:
+            raise ValueError(f"{where}: bad chunk {c!r}")
+        blob_id, nbytes, codec = c
+        check_blob_id(blob_id)
+        if codec not in CODECS:
+            raise ValueError(f"{where}: unknown codec {codec!r}")
+        chunks.append(ChunkRef(blob_id, _int(nbytes, f"{where} chunk size", 1, 1 << 40), codec))
+    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if numel * size != sum(c.nbytes for c in chunks):
+        raise ValueError(f"{where}: chunks hold {sum(c.nbytes for c in chunks)} bytes, shape {list(shape)} of "
+                         f"{dtype} needs {numel * size}")
+    entry = ArrayEntry(dtype, shape, chunks)
+    if kind == "tensor":
+        dev = p.get("device", "cpu")
+        if not isinstance(dev, str) or len(dev) > 64:
+            raise ValueError(f"{where}: bad device {dev!r}")
+        entry.device, entry.requires_grad = dev, bool(p.get("requires_grad", False))
+    return entry
+
+
+def decode_manifest(data: bytes, *, step: int, rank: int, what: str) -> Manifest:
+    """Decode and validate a manifest. Raises ``CorruptCheckpointError`` naming the file and key path."""
+    body = unframe(data, "manifest", what=what, step=step)
+    where = what
+    try:
+        if body.get("step") != step or body.get("rank") != rank:
+            raise ValueError(f"manifest is for step {body.get('step')!r} rank {body.get('rank')!r}")
+        world_size = _int(body.get("world_size"), "world_size", 1, 1 << 20)
+        stateful = body.get("stateful")
+        if not isinstance(stateful, list) or not all(isinstance(s, str) for s in stateful):
+            raise ValueError("bad stateful list")
+        nodes_raw = body.get("nodes")
+        if not isinstance(nodes_raw, list):
+            raise ValueError("nodes is not a list")
+        nodes = []
+        for raw in nodes_raw:
+            if not isinstance(raw, list) or len(raw) != 3:
+                raise ValueError(f"bad node {raw!r:.80}")
+            path, kind, payload = raw
+            if not isinstance(path, list) or not all(
+                    isinstance(k, (str, int)) and not isinstance(k, bool) for k in path):
+                raise ValueError(f"bad key path {path!r:.80}")
+            path = tuple(path)
+            where = f"{what} key {path_str(path)!r}"
+            if kind not in NODE_KINDS:
+                raise ValueError(f"{where}: unknown node kind {kind!r}")
+            if kind in ARRAY_KINDS:
+                payload = _decode_array("tensor" if kind == "tensor" else "ndarray", payload, where)
+            elif kind in ("list", "tuple"):
+                payload = _int(payload, f"{where} length", 0, 1 << 32)
+            elif kind == "bigint":
+                if not isinstance(payload, str) or not re.match(r"^-?[0-9]{1,4300}$", payload):
+                    raise ValueError(f"{where}: bad bigint")
+            elif kind == "dtype":
+                if payload not in TORCH_DTYPES:
+                    raise ValueError(f"{where}: unknown dtype {payload!r}")
+            elif kind == "value":
+                if isinstance(payload, (dict, list)):
+                    raise ValueError(f"{where}: a plain value cannot be a container")
+            nodes.append(ManifestNode(path, kind, payload))
+        if not nodes or nodes[0].path != () or nodes[0].kind != "dict":
+            raise ValueError("nodes must start with the root dict")
+    except ValueError as e:
+        raise CorruptCheckpointError(f"invalid manifest: {e}", step=step, blob=what) from None
+    return Manifest(step=step, rank=rank, world_size=world_size, stateful=stateful, nodes=nodes)
+
+
+# -- commit marker ------------------------------------------------------------------------------------------
+def encode_commit(c: Commit) -> bytes:
+    return frame("commit", {"step": c.step, "world_size": c.world_size, "created": c.created,
+                            "bytes_total": c.bytes_total,
+                            "manifests": [[r, d, s] for r, (d, s) in sorted(c.manifests.items())],
+                            "metrics": c.metrics, "config": c.config, "writer": c.writer})
+
+
+def decode_commit(data: bytes, *, step: int, what: str) -> Commit:
+    body = unframe(data, "commit", what=what, step=step)
+    try:
+        if body.get("step") != step:
+            raise ValueError(f"commit marker is for step {body.get('step')!r}")
+        world_size = _int(body.get("world_size"), "world_size", 1, 1 << 20)
+        manifests = {}
+        for m in body.get("manifests") or []:
+            if not isinstance(m, list) or len(m) != 3 or not isinstance(m[1], bytes) or len(m[1]) != 32:
+                raise ValueError(f"bad manifest reference {m!r:.80}")
+            manifests[_int(m[0], "rank", 0, world_size - 1)] = (m[1], _int(m[2], "manifest size", 1))
+        if sorted(manifests) != list(range(world_size)):
+            raise ValueError(f"commit names manifests of ranks {sorted(manifests)}, world_size is {world_size}")
+        metrics = body.get("metrics") or {}
+        config = body.get("config")
+        if not isinstance(metrics, dict) or not (config is None or isinstance(config, dict)):
+            raise ValueError("bad metrics or config")
+        created = body.get("created")
+        if not isinstance(created, (int, float)) or isinstance(created, bool):
+            raise ValueError("bad creation time")
+        return Commit(step=check_step(step), world_size=world_size, manifests=manifests, created=float(created),
+                      bytes_total=_int(body.get("bytes_total", 0), "bytes_total"), metrics=metrics,
+                      config=config, writer=str(body.get("writer", "")))
+    except (ValueError, TypeError) as e:
+        raise CorruptCheckpointError(f"invalid commit marker: {e}", step=step, blob=what) from None

@@ -1,0 +1,93 @@
+"""The read path: a manifest's chunk references -> verified bytes -> tensors, arrays and plain values.
+
+Every chunk is read straight into the destination buffer and its BLAKE3 digest checked before the value is
+handed out. Chunks are read by a thread pool.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Executor
+from typing import Any, Callable, Dict, List, Optional, Union
+
+import numpy as np
+import torch
+
+from .blobs import BlobStore
+from .manifest import ARRAY_KINDS, Manifest
+from .state import TORCH_DTYPES, Node, path_str
+
+MapLocation = Union[None, str, torch.device, Callable[[torch.Tensor, str], torch.Tensor]]
+
+
+def read_nodes(blobs: BlobStore, manifest: Manifest, *, executor: Executor, map_location: MapLocation = "cpu",
+               select: Optional[Callable[[tuple], bool]] = None) -> List[Node]:
+    """Load a manifest into :class:`ckptstore.state.Node` records holding real values.
+
+    ``map_location``: ``"cpu"`` (default), a device, ``None`` (each tensor to the device it was saved from
+    when that device exists here, else CPU), or a callable ``(tensor, saved_device) -> tensor``.
+    ``select(path) -> bool`` limits loading to some key paths (their containers are kept).
+    Raises ``CorruptCheckpointError`` naming the step, the key and the blob of the first bad chunk.
+    """
+    nodes: List[Node] = []
+    pending = []
+    for mnode in manifest.nodes:
+        if select is not None and mnode.path and not select(mnode.path):
+            continue
+        if mnode.kind not in ARRAY_KINDS:
+            value = mnode.payload
+            if mnode.kind == "bigint":
+                value = int(value)
+            elif mnode.kind == "dtype":
+                value = TORCH_DTYPES[value]
+            nodes.append(Node(mnode.path, mnode.kind, value))
+            continue
+        entry = mnode.payload
+        buf = torch.empty(entry.nbytes, dtype=torch.uint8)
+        mv = memoryview(buf.numpy()).cast("B") if entry.nbytes else memoryview(bytearray())
+        off = 0
+        key = path_str(mnode.path)
+        for c in entry.chunks:
+            pending.append(executor.submit(blobs.read_into, c.blob_id, c.codec, mv[off: off + c.nbytes],
+                                           step=manifest.step, key=key))
+            off += c.nbytes
+        node = Node(mnode.path, mnode.kind, (buf, entry))
+        nodes.append(node)
+    error = None
+    for f in pending:
+        try:
+            f.result()
+        except BaseException as e:
+            error = error or e
+    if error is not None:
+        raise error
+    for node in nodes:
+        if node.kind in ARRAY_KINDS:
+            node.value = _materialise(node.kind, *node.value, map_location)
+    return nodes
+
+
+def _materialise(kind: str, buf: torch.Tensor, entry, map_location: MapLocation) -> Any:
+    if kind == "tensor":
+        t = buf.view(TORCH_DTYPES[entry.dtype]).reshape(entry.shape)
+        t = _place(t, entry.device, map_location)
+        if entry.requires_grad and (t.is_floating_point() or t.is_complex()):
+            t.requires_grad_(True)
+        return t
+    arr = buf.numpy().view(np.dtype(entry.dtype)).reshape(entry.shape)
+    return arr[()] if kind == "npscalar" else arr
+
+
+def _place(t: torch.Tensor, saved_device: str, map_location: MapLocation) -> torch.Tensor:
+    if callable(map_location):
+        return map_location(t, saved_device)
+    if map_location is None:
+        try:
+            dev = torch.device(saved_device)
+        except (RuntimeError, ValueError):
+            return t
+        if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+            return t
+        if dev.type not in ("cpu", "cuda"):
+            return t
+        return t.to(dev)
+    dev = torch.device(map_location)
+    return t if dev.type == "cpu" else t.to(dev)

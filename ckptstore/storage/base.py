@@ -1,0 +1,81 @@
+"""The small storage interface every backend implements.
+
+Paths are store-relative, ``/``-separated, and come from :mod:`ckptstore.layout` only. A backend knows bytes
+and names, nothing of tensors, steps or manifests. Two write primitives carry the commit protocol:
+
+* :meth:`Storage.write_atomic` replaces a file as a whole: a reader sees the old bytes or the new ones, never a
+  mix (local: temp file, fsync, rename, fsync of the directory; object stores: one PUT).
+* :meth:`Storage.write_new` creates a file only if it does not exist yet, and says whether it did: blobs are
+  write-once, and on object stores that support it the latest pointer uses it for compare-and-swap.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import List, Optional, Union
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+class Storage(ABC):
+    """A flat namespace of files under one root. Implementations must be thread-safe."""
+
+    #: human-readable location of the root (a path or a URL); never contains credentials.
+    url: str
+
+    @abstractmethod
+    def read_bytes(self, path: str) -> bytes:
+        """Whole file. Raises ``FileNotFoundError`` when it does not exist."""
+
+    def read_into(self, path: str, out: memoryview) -> int:
+        """Read the file into ``out`` (a writable byte buffer); return the file's size in bytes.
+
+        Raises ``FileNotFoundError``; a file larger than ``out`` raises ``ValueError`` (nothing is trusted to
+        fit). Backends override this to avoid the intermediate copy.
+        """
+        data = self.read_bytes(path)
+        if len(data) > len(out):
+            raise ValueError(f"{path}: {len(data)} bytes do not fit in a buffer of {len(out)}")
+        out[: len(data)] = data
+        return len(data)
+
+    @abstractmethod
+    def size(self, path: str) -> Optional[int]:
+        """Size in bytes, or ``None`` when the file does not exist."""
+
+    def exists(self, path: str) -> bool:
+        return self.size(path) is not None
+
+    @abstractmethod
+    def write_atomic(self, path: str, data: Buffer) -> None:
+        """Create or replace ``path`` with ``data``, atomically and durably."""
+
+    @abstractmethod
+    def write_new(self, path: str, data: Buffer) -> bool:
+        """Create ``path`` with ``data`` if it does not exist; return False (writing nothing) if it does."""
+
+    @abstractmethod
+    def listdir(self, path: str) -> List[str]:
+        """Names (not paths) directly under directory/prefix ``path``; ``[]`` if there is none."""
+
+    @abstractmethod
+    def delete(self, path: str) -> None:
+        """Remove one file; a missing file is not an error."""
+
+    @abstractmethod
+    def rmtree(self, path: str) -> None:
+        """Remove a directory/prefix and everything under it; missing is not an error."""
+
+    def move(self, src: str, dst: str) -> None:
+        """Move a file (used to quarantine corrupt blobs). Not atomic on object stores."""
+        self.write_atomic(dst, self.read_bytes(src))
+        self.delete(src)
+
+    def mtime(self, path: str) -> Optional[float]:
+        """Modification time (seconds since the epoch), or ``None`` if unknown / missing."""
+        return None
+
+    def sync(self, dirs) -> None:
+        """Make the given directories' entries durable (local fsync of directories); no-op elsewhere."""
+
+    def close(self) -> None:
+        pass

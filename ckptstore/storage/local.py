@@ -1,0 +1,212 @@
+"""Local-disk storage: every write is temp file -> fsync -> rename/link -> fsync of the directory.
+
+Large writes from page-aligned memory go through ``O_DIRECT`` (the page cache costs more than the device on
+the machines we measured: buffered write+fsync ran at ~36% of the disk's O_DIRECT rate). The tail that is
+not a multiple of the block size goes through a small aligned bounce buffer and the file is then truncated to
+its exact length. Filesystems without ``O_DIRECT`` (tmpfs) fall back to buffered writes.
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import shutil
+import threading
+import uuid
+from typing import List, Optional
+
+import numpy as np
+
+from .base import Buffer, Storage
+
+ALIGN = 4096
+DIRECT_MIN_BYTES = 1 << 20          # below this, O_DIRECT's bookkeeping is not worth it
+_MAX_WRITE = 1 << 30                # bytes per os.write call
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def buffer_address(buf: memoryview) -> int:
+    """Address of the first byte of a (possibly read-only) contiguous buffer."""
+    return np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0] if len(buf) else 0
+
+
+class LocalStorage(Storage):
+    """A directory on a local filesystem. ``direct_io``: use O_DIRECT for large aligned writes."""
+
+    def __init__(self, root: str, *, direct_io: bool = True):
+        self.root = os.path.abspath(os.fspath(root))
+        self.url = self.root
+        self._direct = bool(direct_io and _O_DIRECT)
+        self._made_dirs = set()
+        self._lock = threading.Lock()
+        os.makedirs(self.root, exist_ok=True)
+
+    # -- paths --------------------------------------------------------------------------------------------
+    def _abs(self, path: str) -> str:
+        if path.startswith("/") or ".." in path.split("/"):
+            raise ValueError(f"refusing path outside the store root: {path!r}")
+        return os.path.join(self.root, *path.split("/")) if path else self.root
+
+    def _ensure_parent(self, full: str) -> str:
+        parent = os.path.dirname(full)
+        if parent not in self._made_dirs:
+            os.makedirs(parent, exist_ok=True)
+            with self._lock:
+                self._made_dirs.add(parent)
+        return parent
+
+    # -- reads --------------------------------------------------------------------------------------------
+    def read_bytes(self, path: str) -> bytes:
+        with open(self._abs(path), "rb") as f:
+            return f.read()
+
+    def read_into(self, path: str, out: memoryview) -> int:
+        full = self._abs(path)
+        with open(full, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > len(out):
+                raise ValueError(f"{path}: {size} bytes do not fit in a buffer of {len(out)}")
+            got = 0
+            while got < size:
+                n = f.readinto(out[got:size])
+                if not n:
+                    break
+                got += n
+            return got
+
+    def size(self, path: str) -> Optional[int]:
+        try:
+            return os.stat(self._abs(path)).st_size
+        except FileNotFoundError:
+            return None
+
+    def mtime(self, path: str) -> Optional[float]:
+        try:
+            return os.stat(self._abs(path)).st_mtime
+        except FileNotFoundError:
+            return None
+
+    def listdir(self, path: str) -> List[str]:
+        try:
+            return sorted(os.listdir(self._abs(path)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    # -- writes -------------------------------------------------------------------------------------------
+    def _write_temp(self, full: str, data: Buffer) -> str:
+        """Write ``data`` to a fresh temp file beside ``full``, fsync it, return its path."""
+        self._ensure_parent(full)
+        tmp = f"{full}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        try:
+            if self._direct and n >= DIRECT_MIN_BYTES and buffer_address(mv) % ALIGN == 0:
+                try:
+                    self._write_direct(tmp, mv)
+                    return tmp
+                except OSError as e:
+                    if e.errno != errno.EINVAL:     # filesystem without O_DIRECT: fall back below
+                        raise
+                    self._direct = False
+                    _unlink_quiet(tmp)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _write_loop(fd, mv)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return tmp
+        except BaseException:
+            _unlink_quiet(tmp)
+            raise
+
+    @staticmethod
+    def _write_direct(tmp: str, mv: memoryview) -> None:
+        n = len(mv)
+        body = n - n % ALIGN
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o644)
+        try:
+            _write_loop(fd, mv[:body])
+            if body < n:
+                bounce = mmap.mmap(-1, ALIGN)        # page-aligned, zero-filled
+                try:
+                    bounce[: n - body] = mv[body:]
+                    _write_loop(fd, memoryview(bounce))
+                finally:
+                    bounce.close()
+                os.ftruncate(fd, n)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def write_atomic(self, path: str, data: Buffer) -> None:
+        full = self._abs(path)
+        tmp = self._write_temp(full, data)
+        try:
+            os.replace(tmp, full)
+        except BaseException:
+            _unlink_quiet(tmp)
+            raise
+        _fsync_dir(os.path.dirname(full))
+
+    def write_new(self, path: str, data: Buffer) -> bool:
+        """Create-only, via ``link(2)`` of a finished temp file: never exposes a partial file, never replaces.
+
+        The directory entry is made durable by :meth:`sync` (batched by the caller), not here.
+        """
+        full = self._abs(path)
+        if os.path.exists(full):
+            return False
+        tmp = self._write_temp(full, data)
+        try:
+            os.link(tmp, full)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            _unlink_quiet(tmp)
+
+    def sync(self, dirs) -> None:
+        for d in sorted(set(dirs)):
+            _fsync_dir(self._abs(d))
+
+    def delete(self, path: str) -> None:
+        _unlink_quiet(self._abs(path))
+
+    def rmtree(self, path: str) -> None:
+        shutil.rmtree(self._abs(path), ignore_errors=True)
+
+    def move(self, src: str, dst: str) -> None:
+        full_dst = self._abs(dst)
+        self._ensure_parent(full_dst)
+        os.replace(self._abs(src), full_dst)
+
+    def __repr__(self) -> str:
+        return f"LocalStorage({self.root!r})"
+
+
+def _write_loop(fd: int, mv: memoryview) -> None:
+    off, n = 0, len(mv)
+    while off < n:
+        w = os.write(fd, mv[off: off + min(n - off, _MAX_WRITE)])
+        if w <= 0:
+            raise OSError(errno.EIO, "short write")
+        off += w
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
