@@ -90,7 +90,7 @@ def _flatten_value(path: KeyPath, value: Any, out: List[Node], seen: set) -> Non
         _check_tensor(path, value)
         out.append(Node(path, "tensor", value))
     elif isinstance(value, np.ndarray):
-        if value.dtype.hasobject or value.dtype.kind not in "biufcmMSV" or value.dtype.fields is not None:
+        if value.dtype.hasobject or value.dtype.kind not in "biufcmMSUV" or value.dtype.fields is not None:
             raise TypeError(f"unsupported numpy dtype {value.dtype} at {path_str(path)}")
         out.append(Node(path, "ndarray", value))
     elif isinstance(value, np.generic):

@@ -1,0 +1,39 @@
+"""Small helpers for tests that reach into a store's files on purpose (to damage them)."""
+from pathlib import Path
+
+import msgpack
+
+from ckptstore import Store
+
+
+def step_dir(root, step) -> Path:
+    return Path(root) / "steps" / f"{step:012d}"
+
+
+def blob_files(root):
+    return sorted(p for p in (Path(root) / "objects").rglob("*") if p.is_file())
+
+
+def blobs_of_key(store: Store, step: int, key: tuple):
+    """Blob files holding the tensor at ``key`` of ``step`` (read through the public catalog)."""
+    commit = store.catalog.read_commit(step)
+    manifest = store.catalog.read_manifest(commit, 0)
+    for node, entry in manifest.arrays():
+        if node.path == key:
+            return [Path(store.root) / "objects" / c.blob_id[:2] / c.blob_id for c in entry.chunks]
+    raise KeyError(key)
+
+
+def flip_byte(path: Path, offset: int = 0) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def rewrite_frame(path: Path, mutate) -> None:
+    """Decode a manifest/commit frame, let ``mutate(body_dict)`` change it, re-encode with a valid checksum."""
+    from ckptstore.manifest import frame
+    outer = msgpack.unpackb(path.read_bytes(), raw=False)
+    body = msgpack.unpackb(outer["body"], raw=False, strict_map_key=False)
+    mutate(body)
+    path.write_bytes(frame(outer["kind"], body))
