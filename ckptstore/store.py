@@ -26,7 +26,7 @@ from .retention import RetentionPolicy
 from .runconfig import differences, normalize
 from .snapshot import direct_views
 from .state import TORCH_DTYPE_NAMES, Node, flatten, is_stateful, path_str, unflatten
-from .storage import Storage, open_storage
+from .storage import Storage, is_local, open_storage
 from .writer import write_arrays
 
 log = logging.getLogger("ckptstore")
@@ -91,19 +91,24 @@ class Store:
         keep_last, keep_every: retention (see :class:`RetentionPolicy`); applied after every save by rank 0,
             followed by garbage collection of the blobs no kept step references.
         direct_io: use O_DIRECT for large aligned writes where the filesystem supports it.
+        storage_options: fsspec options (endpoint, credentials) when ``root`` is a remote URL.
+        create: create a missing local root (``False``: raise ``FileNotFoundError``).
     """
 
     def __init__(self, root, *, config: Optional[Mapping[str, Any]] = None,
                  config_may_change: Iterable[str] = (), rank: Optional[int] = None,
                  world_size: Optional[int] = None, chunk_size: int = DEFAULT_CHUNK_SIZE, codec: str = "raw",
                  zstd_level: int = 1, workers: int = 4, keep_last: Optional[int] = None,
-                 keep_every: Optional[int] = None, direct_io: bool = True, commit_timeout: float = 600.0):
+                 keep_every: Optional[int] = None, direct_io: bool = True, commit_timeout: float = 600.0,
+                 storage_options: Optional[Mapping[str, Any]] = None, create: bool = True):
         if codec not in CODECS:
             raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
         if not isinstance(chunk_size, int) or chunk_size < 4096:
             raise ValueError(f"chunk_size must be an int >= 4096 bytes, got {chunk_size!r}")
         self.rank, self.world_size = _default_rank_world(rank, world_size)
-        self.storage: Storage = open_storage(root, direct_io=direct_io)
+        if not create and is_local(root) and not os.path.isdir(_local_path(root)):
+            raise FileNotFoundError(f"no store at {root}")
+        self.storage: Storage = open_storage(root, storage_options, direct_io=direct_io)
         self.root = self.storage.url
         self.catalog = Catalog(self.storage)
         self.blobs = BlobStore(self.storage)
@@ -384,6 +389,11 @@ class Store:
 
     def __repr__(self) -> str:
         return f"Store({self.root!r}, rank={self.rank}, world_size={self.world_size})"
+
+
+def _local_path(root) -> str:
+    root = os.fspath(root)
+    return root[len("file://"):] if root.startswith("file://") else root
 
 
 def _dist_if_initialized(world_size: int):

@@ -1,0 +1,198 @@
+"""``ckptstore`` command line: parsing and presentation only; every action is a library call.
+
+    ckptstore ls ROOT              committed (and uncommitted) steps with sizes and metrics
+    ckptstore show ROOT [STEP]     keys of a step: dtype, shape, bytes, blobs; plain values
+    ckptstore verify ROOT [STEP]   read and hash every blob; exit 1 if any step is damaged
+    ckptstore gc ROOT              delete unreferenced blobs and crash leftovers
+    ckptstore pull URL ROOT        copy committed steps of a remote store into a local one, verified
+
+ROOT / URL: a local path, ``file://`` URL, or any fsspec URL (``s3://``, ``gs://``, ...); storage options
+(endpoint, credentials) come from ``--storage-options JSON`` or ``$CKPTSTORE_STORAGE_OPTIONS``.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import sys
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from .errors import CheckpointError
+from .state import path_str
+
+console = Console()
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _options(ctx_value):
+    raw = ctx_value or os.environ.get("CKPTSTORE_STORAGE_OPTIONS")
+    if not raw:
+        return None
+    try:
+        opts = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise click.BadParameter(f"--storage-options is not JSON: {e}")
+    if not isinstance(opts, dict):
+        raise click.BadParameter("--storage-options must be a JSON object")
+    return opts
+
+
+storage_options_opt = click.option("--storage-options", "storage_options", default=None, metavar="JSON",
+                                   help="fsspec options for a remote URL (or $CKPTSTORE_STORAGE_OPTIONS).")
+
+
+def _open(root, storage_options):
+    from .store import Store
+    return Store(root, storage_options=_options(storage_options), create=False)
+
+
+class _Group(click.Group):
+    """Turns library errors into one clean line and exit status 2 (no traceback for expected failures)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (CheckpointError, FileNotFoundError, PermissionError) as e:
+            raise click.ClickException(str(e)) from None
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", is_flag=True, help="Log what the library does.")
+@click.version_option(package_name="ckptstore")
+def main(verbose: bool) -> None:
+    """Inspect and maintain ckptstore checkpoint stores."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
+
+
+@main.command("ls")
+@click.argument("root")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@storage_options_opt
+def ls_cmd(root, as_json, storage_options):
+    """List the steps of a store: committed ones with size and metrics, and uncommitted leftovers."""
+    with _open(root, storage_options) as store:
+        committed = set(store.steps())
+        latest = store.latest_step()
+        rows = []
+        for step in store.catalog.step_dirs():
+            row = {"step": step, "committed": step in committed, "latest": step == latest}
+            if step in committed:
+                try:
+                    c = store.commit_info(step)
+                    row.update(created=c.created, bytes_total=c.bytes_total, world_size=c.world_size,
+                               metrics=c.metrics)
+                except CheckpointError as e:
+                    row["error"] = str(e)
+            rows.append(row)
+    if as_json:
+        click.echo(json.dumps(rows, indent=1, default=str))
+        return
+    console.print(f"{root}: {len(committed)} committed step(s)", soft_wrap=True)
+    table = Table()
+    for col in ("step", "state", "created (UTC)", "size", "ranks", "metrics"):
+        table.add_column(col, justify="right" if col in ("step", "size", "ranks") else "left")
+    for r in rows:
+        state = "latest" if r["latest"] else ("committed" if r["committed"] else "[yellow]uncommitted[/]")
+        if "error" in r:
+            state = f"[red]damaged[/]: {r['error']}"
+        created = (datetime.datetime.fromtimestamp(r["created"], datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+                   if "created" in r else "")
+        metrics = " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
+                           for k, v in (r.get("metrics") or {}).items())
+        table.add_row(str(r["step"]), state, created, _human(r["bytes_total"]) if "bytes_total" in r else "",
+                      str(r.get("world_size", "")), metrics)
+    console.print(table)
+
+
+@main.command("show")
+@click.argument("root")
+@click.argument("step", type=int, required=False)
+@click.option("--rank", type=int, default=0, show_default=True)
+@click.option("--values/--no-values", default=True, help="Print plain values too.")
+@storage_options_opt
+def show_cmd(root, step, rank, values, storage_options):
+    """Show the keys of STEP (default: latest): dtype, shape, bytes and blobs of each tensor."""
+    with _open(root, storage_options) as store:
+        step = store.latest_step() if step is None else step
+        if step is None:
+            raise click.ClickException(f"{root} has no committed step")
+        try:
+            commit = store.commit_info(step)
+            manifest = store.catalog.read_manifest(commit, rank)
+        except CheckpointError as e:
+            raise click.ClickException(str(e))
+    console.print(f"step {step}  rank {rank}/{commit.world_size}  {_human(manifest.bytes_total)} in "
+                  f"{len(manifest.blob_ids())} blob(s)  written by {commit.writer or '?'}")
+    if commit.metrics:
+        console.print("metrics: " + json.dumps(commit.metrics, default=str))
+    if commit.config:
+        console.print("config: " + json.dumps(commit.config, default=str))
+    table = Table()
+    for col in ("key", "kind", "dtype", "shape", "bytes", "blobs"):
+        table.add_column(col, justify="right" if col in ("bytes", "blobs") else "left")
+    for node in manifest.nodes:
+        if not node.path or node.kind in ("dict", "list", "tuple"):
+            continue
+        key = path_str(node.path)
+        if node.kind in ("tensor", "ndarray", "npscalar"):
+            e = node.payload
+            table.add_row(key, node.kind, e.dtype, "x".join(map(str, e.shape)) or "()", _human(e.nbytes),
+                          str(len(e.chunks)))
+        elif values:
+            table.add_row(key, node.kind, type(node.payload).__name__, repr(node.payload)[:60], "", "")
+    console.print(table)
+
+
+@main.command("verify")
+@click.argument("root")
+@click.argument("step", type=int, required=False)
+@storage_options_opt
+def verify_cmd(root, step, storage_options):
+    """Read and hash every blob of STEP (default: every committed step). Exit status 1 if any is damaged."""
+    with _open(root, storage_options) as store:
+        results = store.verify(step)
+    bad = 0
+    for s, err in sorted(results.items()):
+        if err is None:
+            console.print(f"step {s}: [green]ok[/]")
+        else:
+            bad += 1
+            console.print(f"step {s}: [red]DAMAGED[/] {err}")
+    if not results:
+        console.print("no committed step")
+    sys.exit(1 if bad else 0)
+
+
+@main.command("gc")
+@click.argument("root")
+@click.option("--grace", "grace_seconds", type=float, default=3600.0, show_default=True,
+              help="Keep anything younger than this many seconds (protects saves in flight).")
+@click.option("--dry-run", is_flag=True, help="Report what would be deleted.")
+@click.option("--force", is_flag=True, help="Sweep even when some committed step is unreadable.")
+@storage_options_opt
+def gc_cmd(root, grace_seconds, dry_run, force, storage_options):
+    """Delete blobs no committed step references, uncommitted step directories and stale temp files."""
+    with _open(root, storage_options) as store:
+        r = store.gc(grace_seconds=grace_seconds, dry_run=dry_run, force=force)
+    verb = "would delete" if dry_run else "deleted"
+    console.print(f"{verb} {r.blobs_deleted} blob(s), {_human(r.bytes_freed)}; "
+                  f"{len(r.steps_removed)} uncommitted step dir(s) {r.steps_removed or ''}; "
+                  f"{r.temp_files_removed} temp file(s)")
+    if r.unreadable_steps:
+        console.print(f"[red]unreadable steps {r.unreadable_steps}: blobs were not swept[/] (use --force)")
+        sys.exit(1)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
