@@ -1,19 +1,110 @@
-"""Turn the arrays of a flattened state into byte views the write path can hash and write.
+"""Snapshot: from the arrays of a flattened state to stable byte views the write path can hash and write.
 
-``direct_views`` serves a blocking save: a contiguous CPU tensor is used in place (no copy; the caller is
-blocked, so nothing changes it), anything else (non-contiguous views, CUDA tensors, conjugate views) is
-materialised once into a temporary contiguous CPU copy.
+Three ways in, one way out (:class:`ArraySpec` with ``view`` or ``known`` set):
+
+* **unchanged** (:class:`VersionCache`): a tensor whose storage, offset, shape, stride, dtype and autograd
+  version counter equal those recorded at the last committed save has the same bytes; its chunk references are
+  reused and it is neither copied nor hashed. The storage is held by weak reference, and PyTorch keeps one
+  Python object per storage for its lifetime, so a freed-and-reallocated buffer never matches. Writes that
+  bypass torch's version counter (through a numpy view, ctypes, DLPack) are not seen: pass
+  ``Store(track_versions=False)`` if training does that.
+* **blocking save** (:func:`direct_view`): a contiguous CPU tensor is used in place (the caller is blocked, so
+  nothing changes it); anything else is materialised once into a temporary contiguous CPU copy.
+* **non-blocking save** (:class:`StagingPool`): every changed array is copied into page-aligned host memory
+  allocated once and reused by later saves (pinned when the source is on CUDA, copied with ``non_blocking``
+  on a side stream that the training stream then waits on, so the caller is not blocked by the transfer).
+  The pool holds at most one copy of the state's arrays.
 """
 from __future__ import annotations
 
-from typing import List
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from .state import Node
+from .manifest import ChunkRef
+from .state import TORCH_DTYPE_NAMES, KeyPath, Node
+
+PAGE = 4096
 
 
+@dataclass
+class ArraySpec:
+    """One tensor / array of a save, with the metadata captured at snapshot time."""
+    path: KeyPath
+    kind: str                               # tensor | ndarray | npscalar
+    dtype: str
+    shape: Tuple[int, ...]
+    nbytes: int
+    device: str = "cpu"
+    requires_grad: bool = False
+    view: Optional[memoryview] = None       # bytes to write (None when ``known``)
+    known: Optional[List[ChunkRef]] = None  # chunk refs proven unchanged since the last save
+    cache_key: Any = None                   # to record in the VersionCache after commit
+    ready: Optional[Any] = None             # a CUDA event to wait on before reading ``view``
+
+
+def spec_of(node: Node) -> ArraySpec:
+    v = node.value
+    if node.kind == "tensor":
+        return ArraySpec(node.path, "tensor", TORCH_DTYPE_NAMES[v.dtype], tuple(v.shape),
+                         v.numel() * v.element_size(), str(v.device), bool(v.requires_grad))
+    return ArraySpec(node.path, node.kind, v.dtype.str, tuple(v.shape), int(v.nbytes))
+
+
+# -- unchanged tensors ----------------------------------------------------------------------------------------
+def _version_key(t: torch.Tensor):
+    try:
+        version = t._version
+        storage = t.untyped_storage()
+        ref = weakref.ref(storage)
+    except (RuntimeError, TypeError, NotImplementedError):   # inference tensors, exotic subclasses
+        return None
+    return (ref, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device), version)
+
+
+def _same(a, b) -> bool:
+    if a is None or b is None:
+        return False
+    ref_a, *rest_a = a
+    ref_b, *rest_b = b
+    obj = ref_a()
+    return obj is not None and obj is ref_b() and rest_a == rest_b
+
+
+class VersionCache:
+    """key path -> (version key, chunk refs) of the last committed save. Thread-safe."""
+
+    def __init__(self):
+        self._entries: Dict[KeyPath, Tuple[Any, List[ChunkRef]]] = {}
+        self._lock = threading.Lock()
+
+    def lookup(self, spec: ArraySpec, t: torch.Tensor, blobs) -> Optional[List[ChunkRef]]:
+        key = _version_key(t)
+        spec.cache_key = key
+        with self._lock:
+            entry = self._entries.get(spec.path)
+        if entry is None or not _same(entry[0], key):
+            return None
+        refs = entry[1]
+        if any(blobs.locate(r.blob_id) is None for r in refs):      # removed since (gc, quarantine)
+            return None
+        return refs
+
+    def record(self, specs: List[ArraySpec], refs: List[List[ChunkRef]]) -> None:
+        with self._lock:
+            self._entries = {s.path: (s.cache_key, r) for s, r in zip(specs, refs)
+                             if s.kind == "tensor" and s.cache_key is not None}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+# -- blocking saves -------------------------------------------------------------------------------------------
 def tensor_cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.is_conj():
@@ -26,7 +117,7 @@ def tensor_cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def byte_view(value) -> memoryview:
-    """A flat, read-only byte view of a contiguous CPU tensor or numpy array (no copy)."""
+    """A flat byte view of a contiguous CPU tensor or numpy array (no copy)."""
     if isinstance(value, torch.Tensor):
         if value.numel() == 0:
             return memoryview(b"")
@@ -37,12 +128,93 @@ def byte_view(value) -> memoryview:
     return memoryview(arr.reshape(-1).view(np.uint8)).cast("B")
 
 
-def direct_views(nodes: List[Node]) -> List[memoryview]:
-    """Byte views of every array node, in order (tensors are made contiguous on CPU where needed)."""
-    views = []
-    for n in nodes:
-        if n.kind == "tensor":
-            views.append(byte_view(tensor_cpu_contiguous(n.value)))
-        else:
-            views.append(byte_view(n.value))
-    return views
+def direct_view(node: Node) -> memoryview:
+    return byte_view(tensor_cpu_contiguous(node.value) if node.kind == "tensor" else node.value)
+
+
+# -- non-blocking saves ---------------------------------------------------------------------------------------
+def _aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes`` (rounded up to a page) whose first byte is page-aligned."""
+    size = -(-max(nbytes, 1) // PAGE) * PAGE
+    if pin:
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True)       # cudaHostAlloc: page-aligned
+    raw = torch.empty(size + PAGE, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % PAGE
+    return raw[off: off + size]
+
+
+class StagingPool:
+    """Host buffers for non-blocking saves, one per key path, allocated once and reused while sizes match.
+
+    ``bytes_held`` is at most the arrays' total size (rounded up to pages): one extra copy of the state.
+    """
+
+    def __init__(self):
+        self._buffers: Dict[KeyPath, torch.Tensor] = {}
+        self._stream = None
+
+    @property
+    def bytes_held(self) -> int:
+        return sum(b.numel() for b in self._buffers.values())
+
+    def _buffer(self, path: KeyPath, nbytes: int, pin: bool) -> torch.Tensor:
+        buf = self._buffers.get(path)
+        if buf is None or buf.numel() < nbytes or buf.numel() > 2 * nbytes + PAGE or (pin and not buf.is_pinned()):
+            self._buffers.pop(path, None)          # free before allocating: never hold two copies
+            buf = self._buffers[path] = _aligned_empty(nbytes, pin)
+        return buf
+
+    def stage(self, pairs: List[Tuple[ArraySpec, Node]], live_paths) -> None:
+        """Copy each array into its staging buffer and set ``spec.view`` (and ``spec.ready`` for CUDA).
+
+        Buffers of ``live_paths`` not staged this time (unchanged tensors) are kept for the next save; those of
+        paths no longer in the state are freed."""
+        live = set(live_paths)
+        for path in [p for p in self._buffers if p not in live]:
+            del self._buffers[path]
+        cuda_pairs = []
+        for spec, node in pairs:
+            if spec.nbytes == 0:
+                spec.view = memoryview(b"")
+                continue
+            v = node.value
+            on_cuda = isinstance(v, torch.Tensor) and v.device.type == "cuda"
+            buf = self._buffer(spec.path, spec.nbytes, pin=on_cuda)[: spec.nbytes]
+            if on_cuda:
+                cuda_pairs.append((spec, v, buf))
+                continue
+            if isinstance(v, torch.Tensor):
+                src = v.detach()
+                if src.device.type != "cpu":
+                    src = src.to("cpu")
+                buf.view(src.dtype).view(src.shape).copy_(src)
+            else:
+                np.copyto(buf.numpy().view(v.dtype).reshape(v.shape), v, casting="no")
+            spec.view = memoryview(buf.numpy()).cast("B")
+        if cuda_pairs:
+            self._stage_cuda(cuda_pairs)
+
+    def _stage_cuda(self, triples) -> None:
+        # Copies run on a side stream that first waits for the work already queued on the current stream (so
+        # the values are those of this moment); the current stream then waits for the copies, so training
+        # kernels queued after save() returns cannot overwrite a tensor before it is copied. The host is not
+        # blocked; the writer thread waits on the event before it reads the buffers.
+        current = torch.cuda.current_stream()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        side = self._stream
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for spec, t, buf in triples:
+                src = t.detach()
+                buf.view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
+                src.record_stream(side)
+            event = torch.cuda.Event()
+            event.record(side)
+        current.wait_stream(side)
+        for spec, _, buf in triples:
+            spec.view = memoryview(buf.numpy()).cast("B")
+            spec.ready = event
+
+    def clear(self) -> None:
+        self._buffers.clear()

@@ -6,6 +6,7 @@ Data flows one way: state -> flatten (:mod:`.state`) -> byte views (:mod:`.snaps
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -24,7 +25,7 @@ from .pointers import read_latest, write_latest, clear_latest
 from .reader import MapLocation, read_nodes
 from .retention import RetentionPolicy
 from .runconfig import differences, normalize
-from .snapshot import direct_views
+from .snapshot import ArraySpec, StagingPool, VersionCache, direct_view, spec_of
 from .state import TORCH_DTYPE_NAMES, Node, flatten, is_stateful, path_str, unflatten
 from .storage import Storage, is_local, open_storage
 from .writer import write_arrays
@@ -34,13 +35,42 @@ log = logging.getLogger("ckptstore")
 DEFAULT_CHUNK_SIZE = 64 << 20
 
 
+class SaveHandle:
+    """A non-blocking save in flight. ``result(timeout=None)`` -> :class:`SaveResult` (raises the save's error);
+    ``done()``; ``step``; ``stall_seconds`` (how long ``save`` blocked the caller)."""
+
+    def __init__(self, step: int, future, stall_seconds: float):
+        self.step, self._future, self.stall_seconds = step, future, stall_seconds
+        self._reported = False
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: Optional[float] = None) -> Optional["SaveResult"]:
+        """The save's result. Raises its error the first time it is asked for (by this method, or by the
+        store's next ``save`` / ``wait`` / ``close``); afterwards returns ``None``."""
+        try:
+            return self._future.result(timeout)
+        except BaseException:
+            if not self._future.done():            # a timeout, not the save's own error
+                raise
+            if self._reported:
+                return None
+            self._reported = True
+            raise
+
+    def __repr__(self) -> str:
+        return f"SaveHandle(step={self.step}, done={self.done()})"
+
+
 @dataclass
 class SaveResult:
     """What one ``save`` did. Sizes in bytes, times in seconds.
 
     ``bytes_total``: logical bytes of all tensors and arrays of this rank. ``bytes_written``: bytes of new
     blobs actually written (after dedup and compression). ``blobs_total`` / ``blobs_new``: chunks referenced /
-    chunks that were not in the store yet. ``seconds``: wall time of the whole save. ``stall_seconds``: time the
+    chunks that were not in the store yet. ``bytes_unchanged``: bytes of tensors proven unchanged since the
+    last save (neither copied nor hashed). ``seconds``: wall time of the whole save. ``stall_seconds``: time the
     caller was blocked (equal to ``seconds`` for a blocking save). ``phases``: seconds per phase.
     """
     step: int
@@ -50,6 +80,7 @@ class SaveResult:
     blobs_new: int
     seconds: float
     stall_seconds: float = 0.0
+    bytes_unchanged: int = 0
     phases: Dict[str, float] = field(default_factory=dict)
     committed: bool = True
 
@@ -88,6 +119,9 @@ class Store:
             measured here it gains ~8% on fp32 at 0.4-0.5 GB/s per core, slower than the disk, so it is off
             by default (see benchmarks/README.md).
         workers: threads hashing / writing / reading chunks (default: 4).
+        track_versions: skip copying and hashing tensors whose autograd version counter and storage are
+            unchanged since the last save (see :mod:`ckptstore.snapshot`); turn off if training writes tensor
+            memory behind torch's back (numpy views, ctypes).
         keep_last, keep_every: retention (see :class:`RetentionPolicy`); applied after every save by rank 0,
             followed by garbage collection of the blobs no kept step references.
         direct_io: use O_DIRECT for large aligned writes where the filesystem supports it.
@@ -100,7 +134,8 @@ class Store:
                  world_size: Optional[int] = None, chunk_size: int = DEFAULT_CHUNK_SIZE, codec: str = "raw",
                  zstd_level: int = 1, workers: int = 4, keep_last: Optional[int] = None,
                  keep_every: Optional[int] = None, direct_io: bool = True, commit_timeout: float = 600.0,
-                 storage_options: Optional[Mapping[str, Any]] = None, create: bool = True):
+                 storage_options: Optional[Mapping[str, Any]] = None, create: bool = True,
+                 track_versions: bool = True):
         if codec not in CODECS:
             raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
         if not isinstance(chunk_size, int) or chunk_size < 4096:
@@ -117,58 +152,110 @@ class Store:
         self.chunk_size, self.codec, self.zstd_level = chunk_size, codec, zstd_level
         self.retention = RetentionPolicy(keep_last, keep_every)
         self.commit_timeout = commit_timeout
+        self.track_versions = track_versions
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ckptstore-io")
+        self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptstore-save")
+        self._versions = VersionCache()
+        self._staging = StagingPool()
+        self._inflight: Optional[SaveHandle] = None
         self._closed = False
 
     # -- saving -------------------------------------------------------------------------------------------
-    def save(self, state: Mapping[str, Any], step: int, *, metrics: Optional[Mapping[str, Any]] = None
-             ) -> SaveResult:
-        """Save ``state`` as ``step`` and commit it. Blocks until the step is durable on local disk.
+    def save(self, state: Mapping[str, Any], step: int, *, metrics: Optional[Mapping[str, Any]] = None,
+             blocking: bool = True):
+        """Save ``state`` as ``step`` and commit it.
 
         ``state`` maps names to Stateful objects, tensors, numpy arrays, and nested dict/list/tuple of those and
         of int, float, bool, str, bytes, None. ``metrics``: plain values recorded in the commit marker.
         Saving a step that is already committed replaces it (with a warning).
 
+        ``blocking=True`` (default): returns a :class:`SaveResult` once the step is committed and durable on
+        local disk. ``blocking=False``: returns a :class:`SaveHandle` as soon as every changed tensor is copied
+        into reused staging memory (the *stall*); hashing, writing and the commit run in a background thread,
+        and training may change its tensors right away. At most one save is in flight per store: a new
+        ``save`` first waits for the previous one. A background failure is raised by the handle's
+        ``result()``, else by the next ``save``, :meth:`wait` or :meth:`close` (whichever comes first, once).
+
         Raises ``TypeError`` naming the key path of an unsupported value before anything is written;
         ``OSError`` from the disk (the step then stays invisible).
         """
         self._check_open()
+        self.wait()                                   # one save in flight; surfaces an earlier failure
         t0 = time.perf_counter()
         check_step(step)
         metrics = normalize(metrics or {}, "metrics")
         nodes, stateful = flatten(state)
-        arrays = [n for n in nodes if n.kind in ("tensor", "ndarray", "npscalar")]
-        views = direct_views(arrays)
+        specs, to_copy = [], []
+        for node in nodes:
+            if node.kind not in ("tensor", "ndarray", "npscalar"):
+                continue
+            spec = spec_of(node)
+            specs.append(spec)
+            if node.kind == "tensor" and self.track_versions:
+                spec.known = self._versions.lookup(spec, node.value, self.blobs)
+            if spec.known is None:
+                if blocking:
+                    spec.view = direct_view(node)
+                else:
+                    to_copy.append((spec, node))
+        if not blocking:
+            self._staging.stage(to_copy, live_paths=[s.path for s in specs])
         t_snap = time.perf_counter()
-        self._prepare_step(step)
-        refs, stats = write_arrays(self.blobs, views, chunk_size=self.chunk_size, codec=self.codec,
-                                   level=self.zstd_level, executor=self._pool)
-        t_blobs = time.perf_counter()
-        manifest = Manifest(step=step, rank=self.rank, world_size=self.world_size, stateful=stateful,
-                            nodes=self._manifest_nodes(nodes, refs))
-        digest = self.catalog.write_manifest(manifest)
-        committed = self._commit(step, digest, manifest.bytes_total, metrics)
+        job = functools.partial(self._write_and_commit, step, nodes, stateful, specs, metrics, t0,
+                                None if blocking else t_snap - t0)
+        if blocking:
+            return job()
+        handle = SaveHandle(step, self._bg.submit(job), stall_seconds=t_snap - t0)
+        self._inflight = handle
+        return handle
+
+    def _write_and_commit(self, step, nodes, stateful, specs, metrics, t0, stall) -> SaveResult:
+        t_start = time.perf_counter()
+        try:
+            self._prepare_step(step)
+            refs, stats = write_arrays(self.blobs, specs, chunk_size=self.chunk_size, codec=self.codec,
+                                       level=self.zstd_level, executor=self._pool)
+            t_blobs = time.perf_counter()
+            manifest = Manifest(step=step, rank=self.rank, world_size=self.world_size, stateful=stateful,
+                                nodes=self._manifest_nodes(nodes, specs, refs))
+            digest = self.catalog.write_manifest(manifest)
+            committed = self._commit(step, digest, manifest.bytes_total, metrics)
+        except BaseException:
+            self._versions.clear()
+            raise
+        self._versions.record(specs, refs)
         t_commit = time.perf_counter()
         if committed and self.rank == 0:
             self._apply_retention(step, since=t0)
         t_end = time.perf_counter()
         return SaveResult(step=step, bytes_total=stats.bytes_total, bytes_written=stats.bytes_written,
                           blobs_total=stats.blobs_total, blobs_new=stats.blobs_new, seconds=t_end - t0,
-                          stall_seconds=t_end - t0, committed=committed,
-                          phases={"snapshot": t_snap - t0, "blobs": t_blobs - t_snap,
-                                  "commit": t_commit - t_blobs, "retention": t_end - t_commit,
-                                  "hash_cpu": stats.hash_seconds, "write_io": stats.write_seconds})
+                          stall_seconds=t_end - t0 if stall is None else stall, committed=committed,
+                          bytes_unchanged=stats.bytes_unchanged,
+                          phases={"snapshot": t_start - t0 if stall is None else stall,
+                                  "blobs": t_blobs - t_start, "commit": t_commit - t_blobs,
+                                  "retention": t_end - t_commit, "hash_cpu": stats.hash_seconds,
+                                  "write_io": stats.write_seconds})
+
+    def wait(self, timeout: Optional[float] = None) -> Optional["SaveResult"]:
+        """Wait for the non-blocking save in flight, if any, and return its result (``None`` if there is none).
+        Raises its error if nobody has seen it yet."""
+        handle = self._inflight
+        if handle is None:
+            return None
+        try:
+            return handle.result(timeout)
+        finally:
+            if handle.done():
+                self._inflight = None
 
     @staticmethod
-    def _manifest_nodes(nodes: List[Node], refs) -> List[ManifestNode]:
-        out, it = [], iter(refs)
+    def _manifest_nodes(nodes: List[Node], specs: List[ArraySpec], refs) -> List[ManifestNode]:
+        out, it = [], iter(zip(specs, refs))
         for n in nodes:
-            if n.kind == "tensor":
-                t = n.value
-                payload = ArrayEntry(TORCH_DTYPE_NAMES[t.dtype], tuple(t.shape), next(it), str(t.device),
-                                     bool(t.requires_grad))
-            elif n.kind in ("ndarray", "npscalar"):
-                payload = ArrayEntry(n.value.dtype.str, tuple(n.value.shape), next(it))
+            if n.kind in ("tensor", "ndarray", "npscalar"):
+                spec, chunks = next(it)
+                payload = ArrayEntry(spec.dtype, spec.shape, chunks, spec.device, spec.requires_grad)
             else:
                 payload = n.value
             out.append(ManifestNode(n.path, n.kind, payload))
@@ -375,17 +462,31 @@ class Store:
             raise CheckpointError(f"store {self.root} is closed")
 
     def close(self) -> None:
-        """Release the worker threads. Idempotent."""
-        if not self._closed:
+        """Wait for the save in flight, release threads and staging memory. Idempotent.
+
+        Raises the in-flight save's error if nobody has seen it yet (the store is closed all the same)."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
             self._closed = True
+            self._bg.shutdown(wait=True)
             self._pool.shutdown(wait=True)
+            self._staging.clear()
             self.storage.close()
 
     def __enter__(self) -> "Store":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:                                   # do not mask the exception already propagating
+            self.close()
+        except Exception as e:
+            log.error("while closing %s after an error: %s", self.root, e)
 
     def __repr__(self) -> str:
         return f"Store({self.root!r}, rank={self.rank}, world_size={self.world_size})"

@@ -1,4 +1,4 @@
-"""The write path: byte views -> chunks -> BLAKE3 ids -> blobs not yet stored -> chunk references.
+"""The write path: array specs (byte views) -> chunks -> BLAKE3 ids -> blobs not yet stored -> chunk references.
 
 Chunks run through a thread pool: hashing (BLAKE3) and compression (zstd) release the GIL and writes wait on
 the disk, so hashing one chunk overlaps with writing another. Within one save, a chunk whose id another
@@ -14,6 +14,7 @@ from typing import Dict, List
 
 from .blobs import BlobStore, digest_bytes
 from .manifest import ChunkRef
+from .snapshot import ArraySpec
 
 
 @dataclass
@@ -22,6 +23,7 @@ class WriteStats:
     bytes_written: int = 0      # bytes of new blobs actually written (after dedup and compression)
     blobs_total: int = 0
     blobs_new: int = 0
+    bytes_unchanged: int = 0    # bytes of tensors proven unchanged (not copied, not hashed)
     hash_seconds: float = 0.0   # summed over workers
     write_seconds: float = 0.0  # summed over workers
 
@@ -37,12 +39,14 @@ def chunk_ranges(nbytes: int, chunk_size: int):
     return [(off, min(chunk_size, nbytes - off)) for off in range(0, nbytes, chunk_size)]
 
 
-def write_arrays(blobs: BlobStore, views: List[memoryview], *, chunk_size: int, codec: str, level: int,
+def write_arrays(blobs: BlobStore, specs: List[ArraySpec], *, chunk_size: int, codec: str, level: int,
                  executor: Executor) -> (List[List[ChunkRef]], WriteStats):
-    """Store every view's bytes as blobs. Returns one chunk-reference list per view, and the statistics.
+    """Store the bytes of every spec as blobs. Returns one chunk-reference list per spec, and statistics.
 
-    Raises whatever a worker raised (``OSError`` from the disk, ...) after the other workers finished; blobs
-    already written stay (they are harmless: unreferenced blobs are removed by garbage collection).
+    A spec with ``known`` refs (unchanged since the last save) is neither hashed nor written. A spec with a
+    ``ready`` CUDA event is read only after the event completes. Raises whatever a worker raised
+    (``OSError`` from the disk, ...) once all workers are done; blobs already written stay (unreferenced blobs
+    are removed by garbage collection).
     """
     stats = WriteStats()
     claims = _Claims()
@@ -76,14 +80,24 @@ def write_arrays(blobs: BlobStore, views: List[memoryview], *, chunk_size: int, 
         return ChunkRef(blob_id, len(view), used)
 
     futures = []
-    for view in views:
-        stats.bytes_total += len(view)
-        futures.append([executor.submit(work, view[off: off + n])
-                        for off, n in chunk_ranges(len(view), chunk_size)])
+    for spec in specs:
+        stats.bytes_total += spec.nbytes
+        if spec.known is not None:
+            stats.blobs_total += len(spec.known)
+            stats.bytes_unchanged += spec.nbytes
+            futures.append(list(spec.known))
+            continue
+        if spec.ready is not None:
+            spec.ready.synchronize()
+        view = spec.view
+        futures.append([executor.submit(work, view[off: off + n]) for off, n in chunk_ranges(len(view), chunk_size)])
     results, error = [], None
-    for per_view in futures:
+    for per_spec in futures:
         refs = []
-        for f in per_view:
+        for f in per_spec:
+            if isinstance(f, ChunkRef):
+                refs.append(f)
+                continue
             try:
                 refs.append(f.result())
             except BaseException as e:      # keep draining so no worker is left touching the views
