@@ -43,8 +43,9 @@ def decompress(payload: bytes, nbytes: int) -> bytes:
 class BlobStore:
     """Blobs of one store root. Thread-safe; remembers which blobs it has seen so dedup costs no I/O."""
 
-    def __init__(self, storage):
+    def __init__(self, storage, *, quarantine: bool = True):
         self.storage = storage
+        self.quarantine = quarantine              # False for stores this process only reads (load_path)
         self._known: Dict[str, str] = {}          # blob id -> codec, of blobs known to exist
         self._lock = threading.Lock()
         self._dirs: Set[str] = set()              # object directories written since the last sync()
@@ -142,6 +143,8 @@ class BlobStore:
 
     def _quarantine(self, blob_id: str, codec: str) -> None:
         self.forget(blob_id)
+        if not self.quarantine:
+            return
         try:
             self.storage.move(blob_path(blob_id, codec), f"{QUARANTINE}/{blob_id}{'.zst' if codec == 'zstd' else ''}")
         except (OSError, ValueError):

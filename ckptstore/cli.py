@@ -194,5 +194,19 @@ def gc_cmd(root, grace_seconds, dry_run, force, storage_options):
         sys.exit(1)
 
 
+@main.command("pull")
+@click.argument("url")
+@click.argument("root")
+@click.option("--step", type=int, default=None, help="Step to pull (default: the remote's newest committed step).")
+@storage_options_opt
+def pull_cmd(url, root, step, storage_options):
+    """Copy a committed step of the store at URL into the local store ROOT, verifying every blob."""
+    from .store import Store
+    with Store(root, remote=url, storage_options=_options(storage_options), upload=False) as store:
+        got = store.pull(step)
+        steps = store.steps()
+    console.print(f"pulled step {got} into {root} (local steps: {steps})")
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -38,5 +38,25 @@ def write_latest(storage, step: int) -> None:
     storage.write_atomic(LATEST, encode_pointer(step))
 
 
+def advance_latest(storage, step: int, attempts: int = 20) -> bool:
+    """Move the latest pointer forward to ``step``; never backwards.
+
+    Compare-and-swap loop over :meth:`Storage.read_versioned` / :meth:`Storage.write_if_match`: S3 ``If-Match``
+    (``If-None-Match: *`` to create), GCS ``ifGenerationMatch``, a ``flock`` locally. On backends without
+    conditional writes (``memory://``, plain HTTP, ...) two concurrent writers can race and the pointer can
+    briefly name the older of two steps; readers never trust it alone (they list committed steps).
+    Returns True if the pointer now names ``step``, False if it already named a newer or equal step.
+    """
+    data = encode_pointer(step)
+    for _ in range(attempts):
+        current, token = storage.read_versioned(LATEST)
+        cur = decode_pointer(current) if current is not None else None
+        if cur is not None and cur >= step:
+            return cur == step
+        if storage.write_if_match(LATEST, data, token):
+            return True
+    raise RuntimeError(f"latest pointer of {storage.url}: gave up after {attempts} conflicting writers")
+
+
 def clear_latest(storage) -> None:
     storage.delete(LATEST)

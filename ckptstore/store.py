@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,11 +24,15 @@ from .layout import check_step, commit_path, manifest_path
 from .manifest import Commit, Manifest, ManifestNode, ArrayEntry
 from .pointers import read_latest, write_latest, clear_latest
 from .reader import MapLocation, read_nodes
+from .resolve import candidates, split_load_path
 from .retention import RetentionPolicy
+from .retry import RetryPolicy
 from .runconfig import differences, normalize
 from .snapshot import ArraySpec, StagingPool, VersionCache, direct_view, spec_of
 from .state import TORCH_DTYPE_NAMES, Node, flatten, is_stateful, path_str, unflatten
 from .storage import Storage, is_local, open_storage
+from .transfer import StepCopier
+from .upload import Uploader
 from .writer import write_arrays
 
 log = logging.getLogger("ckptstore")
@@ -125,8 +130,21 @@ class Store:
         keep_last, keep_every: retention (see :class:`RetentionPolicy`); applied after every save by rank 0,
             followed by garbage collection of the blobs no kept step references.
         direct_io: use O_DIRECT for large aligned writes where the filesystem supports it.
-        storage_options: fsspec options (endpoint, credentials) when ``root`` is a remote URL.
+        storage_options: fsspec options (endpoint, credentials, ...) for ``remote``, ``load_path`` and a
+            ``root`` given as a URL. Credentials are never written to manifests, logs or error messages.
         create: create a missing local root (``False``: raise ``FileNotFoundError``).
+        remote: an fsspec URL (``s3://bucket/prefix``, ``gs://...``, ``memory://...``, ``file://...``) to
+            which every committed step is uploaded in the background, in commit order (see
+            :mod:`ckptstore.upload` for the order, crash safety and backlog policy).
+        load_path: where to start from when the run has no checkpoint of its own: a store URL (its newest
+            valid step) or ``<store URL>/steps/<step>`` (that step, zero-padded to 12 digits or not).
+        load_components: take only these top-level keys from ``load_path`` (e.g. ``("model",)`` for
+            weights-only fine-tuning); the other entries of ``state`` keep their fresh values.
+        keep_local: keep at most this many committed steps on local disk once they are uploaded (the
+            newest ones; a step not yet uploaded is never removed by this rule).
+        upload_workers: parallel blob uploads. upload_retry: a :class:`~ckptstore.retry.RetryPolicy`
+            (deadline and per-attempt timeout in seconds). upload_backlog: steps allowed to wait for upload.
+        upload: ``False`` to use ``remote`` only to read from (resume, :meth:`pull`), never to write to it.
     """
 
     def __init__(self, root, *, config: Optional[Mapping[str, Any]] = None,
@@ -135,7 +153,10 @@ class Store:
                  zstd_level: int = 1, workers: int = 4, keep_last: Optional[int] = None,
                  keep_every: Optional[int] = None, direct_io: bool = True, commit_timeout: float = 600.0,
                  storage_options: Optional[Mapping[str, Any]] = None, create: bool = True,
-                 track_versions: bool = True):
+                 track_versions: bool = True, remote: Optional[str] = None, load_path: Optional[str] = None,
+                 load_components: Optional[Iterable[str]] = None, keep_local: Optional[int] = None,
+                 upload_workers: int = 8, upload_retry: Optional[RetryPolicy] = None, upload_backlog: int = 2,
+                 upload: bool = True):
         if codec not in CODECS:
             raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
         if not isinstance(chunk_size, int) or chunk_size < 4096:
@@ -158,7 +179,25 @@ class Store:
         self._versions = VersionCache()
         self._staging = StagingPool()
         self._inflight: Optional[SaveHandle] = None
+        self._maint = threading.RLock()             # saves vs retention / gc: never sweep under a save
         self._closed = False
+        self.storage_options = dict(storage_options or {})
+        self.load_path = load_path
+        self.load_components = tuple(load_components) if load_components is not None else None
+        if keep_local is not None and (not isinstance(keep_local, int) or keep_local < 1):
+            raise ValueError(f"keep_local must be a positive int or None, got {keep_local!r}")
+        self.keep_local = keep_local
+        #: where the last resume() came from: {"tier": "local"|"remote"|"load_path", "step": int, "url": str}
+        self.resumed_from: Optional[Dict[str, Any]] = None
+        self.remote_storage: Optional[Storage] = None
+        self._uploader: Optional[Uploader] = None
+        self._upload_retry = upload_retry or RetryPolicy()
+        if remote is not None:
+            self.remote_storage = open_storage(remote, self.storage_options)
+            if self.rank == 0 and upload:           # one uploader per store root: rank 0's
+                self._uploader = Uploader(self.storage, self.remote_storage, workers=upload_workers,
+                                          retry=self._upload_retry, max_backlog=upload_backlog,
+                                          on_uploaded=self._after_upload)
 
     # -- saving -------------------------------------------------------------------------------------------
     def save(self, state: Mapping[str, Any], step: int, *, metrics: Optional[Mapping[str, Any]] = None,
@@ -181,6 +220,8 @@ class Store:
         """
         self._check_open()
         self.wait()                                   # one save in flight; surfaces an earlier failure
+        if self._uploader is not None:
+            self._uploader.raise_if_failed()          # an upload failure is never swallowed
         t0 = time.perf_counter()
         check_step(step)
         metrics = normalize(metrics or {}, "metrics")
@@ -211,6 +252,10 @@ class Store:
 
     def _write_and_commit(self, step, nodes, stateful, specs, metrics, t0, stall) -> SaveResult:
         t_start = time.perf_counter()
+        with self._maint:
+            return self._write_and_commit_locked(step, nodes, stateful, specs, metrics, t0, stall, t_start)
+
+    def _write_and_commit_locked(self, step, nodes, stateful, specs, metrics, t0, stall, t_start):
         try:
             self._prepare_step(step)
             refs, stats = write_arrays(self.blobs, specs, chunk_size=self.chunk_size, codec=self.codec,
@@ -227,6 +272,8 @@ class Store:
         t_commit = time.perf_counter()
         if committed and self.rank == 0:
             self._apply_retention(step, since=t0)
+            if self._uploader is not None:
+                self._uploader.enqueue(step)
         t_end = time.perf_counter()
         return SaveResult(step=step, bytes_total=stats.bytes_total, bytes_written=stats.bytes_written,
                           blobs_total=stats.blobs_total, blobs_new=stats.blobs_new, seconds=t_end - t0,
@@ -303,7 +350,8 @@ class Store:
         return True
 
     def _apply_retention(self, step: int, since: float) -> None:
-        doomed = self.retention.to_delete(self.catalog.committed_steps())
+        protected = set(self._uploader.pending()) if self._uploader is not None else set()
+        doomed = [s for s in self.retention.to_delete(self.catalog.committed_steps()) if s not in protected]
         for s in doomed:
             self.catalog.delete_step(s)
         stale = [s for s in self.catalog.step_dirs() if s < step and not self.catalog.is_committed(s)]
@@ -313,6 +361,31 @@ class Store:
             collect(self.storage, self.catalog, self.blobs,
                     grace_seconds=max(0.0, time.perf_counter() - since) if self.world_size == 1 else 3600.0,
                     keep_steps={step})
+
+    def _after_upload(self, step: int) -> None:
+        """Uploader callback: apply ``keep_local`` (local steps older than the newest uploaded one may go)."""
+        if self.keep_local is None:
+            return
+        with self._maint:
+            pending = set(self._uploader.pending()) if self._uploader is not None else set()
+            local = self.catalog.committed_steps()
+            keep = set(local[-self.keep_local:]) | pending | {s for s in local if s > step}
+            doomed = [s for s in local if s not in keep]
+            for s in doomed:
+                self.catalog.delete_step(s)
+            if doomed:
+                collect(self.storage, self.catalog, self.blobs, grace_seconds=0.0)
+                log.info("keep_local=%d: removed local steps %s (uploaded)", self.keep_local, doomed)
+
+    def wait_for_uploads(self, timeout: Optional[float] = None) -> None:
+        """Block until every committed step is on the remote (including a non-blocking save in flight).
+
+        Raises :class:`~ckptstore.errors.UploadError` when an upload failed (after its retries / deadline) or
+        ``timeout`` seconds passed. A no-op without ``remote``."""
+        self._check_open()
+        self.wait(timeout)
+        if self._uploader is not None:
+            self._uploader.wait(timeout)
 
     # -- reading ------------------------------------------------------------------------------------------
     def steps(self) -> List[int]:
@@ -367,57 +440,161 @@ class Store:
         raise FileNotFoundError(f"no valid committed step in {self.root}")
 
     def resume(self, state: MutableMapping[str, Any], *, strict: bool = True) -> Optional[int]:
-        """Restore ``state`` from the newest valid committed step; return that step, or ``None`` (fresh start).
+        """Restore ``state`` from the freshest valid checkpoint; return its step, or ``None`` (fresh start).
+
+        Tiers, each fallback logged with its reason: (1) local committed steps and (2) remote committed steps,
+        newest first across both (a step held by both is read locally; a remote step is first pulled into the
+        local root, every blob verified by hash); a damaged local step is repaired from the remote when the
+        remote holds it; (3) ``load_path`` (only ``load_components`` if given: then the return value is
+        ``None``, as the run itself starts fresh, and ``resumed_from`` tells what was loaded); (4) fresh start.
+        The run's own checkpoints always win over ``load_path``. Details of the choice: ``self.resumed_from``.
 
         Stateful values get ``load_state_dict``; other entries of ``state`` are replaced by the loaded values
-        (tensors go back to the device they were saved from when it exists here, else CPU). A corrupt step
-        (missing or damaged blob, manifest or commit marker) is logged and the next older step is tried.
+        (tensors go back to the device they were saved from when it exists here, else CPU). ``strict=False``
+        loads only the top-level keys present in both ``state`` and the checkpoint.
 
-        ``strict=False`` loads only the top-level keys present in both ``state`` and the checkpoint.
         Raises ``IncompatibleCheckpointError`` when the run config differs (see ``config_may_change``), the
         top-level keys differ (``strict``), the world size differs, or the format is newer than this library.
         """
         self._check_open()
-        for step in reversed(self.catalog.committed_steps()):
-            try:
-                commit = self.catalog.read_commit(step)
-                diffs = differences(commit.config, self.config, self.config_may_change)
-                if diffs:
-                    raise IncompatibleCheckpointError("run config differs from the checkpoint's", step=step,
-                                                      differing=diffs)
-                manifest = self.catalog.read_manifest(commit, self.rank) if commit.world_size == self.world_size \
-                    else None
-                if manifest is None:
-                    raise IncompatibleCheckpointError(
-                        f"checkpoint was written by world_size={commit.world_size}, this run has "
-                        f"world_size={self.world_size} (resharding is not supported yet)", step=step)
-                saved_keys = {n.path[0] for n in manifest.nodes if len(n.path) == 1}
-                missing, unexpected = set(state) - saved_keys, saved_keys - set(state)
-                if strict and (missing or unexpected):
-                    raise IncompatibleCheckpointError("state keys do not match the checkpoint (pass "
-                                                      "strict=False to load the common keys)", step=step,
-                                                      missing=missing, unexpected=unexpected)
-                wanted = set(state) & saved_keys
-                nodes = read_nodes(self.blobs, manifest, executor=self._pool, map_location=None,
-                                   select=lambda p: p[0] in wanted)
-            except CorruptCheckpointError as e:
-                log.warning("cannot resume from step %d, trying an older step: %s", step, e)
-                continue
-            loaded = unflatten(nodes)
-            for key in state:
-                if key not in loaded:
+        self.wait()
+        self.resumed_from = None
+        remote_catalog = Catalog(self.remote_storage) if self.remote_storage is not None else None
+        remote_blobs = BlobStore(self.remote_storage, quarantine=False) if remote_catalog is not None else None
+        pulled = set()
+        try:
+            tiers = list(candidates(self.catalog, remote_catalog))
+        except Exception as e:                        # an unreachable remote must not block a local resume
+            log.warning("remote %s unreachable (%s: %s): resuming from local steps only", self.remote_storage.url,
+                        type(e).__name__, e)
+            remote_catalog, tiers = None, [(s, "local") for s in reversed(self.catalog.committed_steps())]
+        for step, tier in tiers:
+            if tier == "remote":
+                try:
+                    self._pull(step)
+                    pulled.add(step)
+                except CheckpointError as e:
+                    log.warning("cannot pull step %d from %s, trying an older step: %s", step,
+                                self.remote_storage.url, e)
                     continue
-                if is_stateful(state[key]):
-                    state[key].load_state_dict(loaded[key])
-                else:
-                    state[key] = loaded[key]
-            if not strict and (missing or unexpected):
-                log.warning("resumed step %d partially: not in checkpoint %s, not in state %s", step,
-                            sorted(missing), sorted(unexpected))
-            log.info("resumed from step %d of %s", step, self.root)
+            try:
+                self._restore(state, self.catalog, self.blobs, step, strict=strict, check_config=True)
+            except CorruptCheckpointError as e:
+                if remote_catalog is None or step in pulled or not _quiet(lambda: remote_catalog.is_committed(step)):
+                    log.warning("cannot resume from step %d, trying an older step: %s", step, e)
+                    continue
+                log.warning("local step %d is damaged (%s): repairing it from %s", step, e, self.remote_storage.url)
+                try:
+                    self._pull(step)
+                    self._restore(state, self.catalog, self.blobs, step, strict=strict, check_config=True)
+                    tier = "remote"
+                except CheckpointError as e2:
+                    log.warning("cannot resume from step %d, trying an older step: %s", step, e2)
+                    continue
+            self.resumed_from = {"tier": tier, "step": step, "url": self.root if tier == "local" else
+                                 self.remote_storage.url}
+            log.info("resumed from step %d (%s)", step, tier)
             return step
-        log.info("no valid checkpoint in %s: fresh start", self.root)
+        if self.load_path is not None:
+            return self._resume_from_load_path(state, strict)
+        log.info("no valid checkpoint in %s%s: fresh start", self.root,
+                 f" or {self.remote_storage.url}" if self.remote_storage is not None else "")
         return None
+
+    def _restore(self, state, catalog, blobs, step, *, strict, check_config, components=None) -> None:
+        """Load ``step`` from ``catalog`` / ``blobs`` and apply it to ``state``; nothing is applied unless every
+        byte loaded and verified. Raises Corrupt/IncompatibleCheckpointError."""
+        commit = catalog.read_commit(step)
+        if check_config:
+            diffs = differences(commit.config, self.config, self.config_may_change)
+            if diffs:
+                raise IncompatibleCheckpointError("run config differs from the checkpoint's", step=step,
+                                                  differing=diffs)
+        if commit.world_size != self.world_size:
+            raise IncompatibleCheckpointError(
+                f"checkpoint was written by world_size={commit.world_size}, this run has "
+                f"world_size={self.world_size} (resharding is not supported yet)", step=step)
+        manifest = catalog.read_manifest(commit, self.rank)
+        saved_keys = {n.path[0] for n in manifest.nodes if len(n.path) == 1}
+        if components is not None:
+            missing = (set(components) - saved_keys) | (set(components) - set(state))
+            if missing:
+                raise IncompatibleCheckpointError("load_components not found", step=step, missing=missing)
+            wanted, unexpected = set(components), set()
+        else:
+            missing, unexpected = set(state) - saved_keys, saved_keys - set(state)
+            if strict and (missing or unexpected):
+                raise IncompatibleCheckpointError("state keys do not match the checkpoint (pass strict=False "
+                                                  "to load the common keys)", step=step, missing=missing,
+                                                  unexpected=unexpected)
+            wanted = set(state) & saved_keys
+        nodes = read_nodes(blobs, manifest, executor=self._pool, map_location=None,
+                           select=lambda p: p[0] in wanted)
+        loaded = unflatten(nodes)
+        for key in list(state):
+            if key not in loaded:
+                continue
+            if is_stateful(state[key]):
+                state[key].load_state_dict(loaded[key])
+            else:
+                state[key] = loaded[key]
+        if components is None and not strict and (missing or unexpected):
+            log.warning("resumed step %d partially: not in checkpoint %s, not in state %s", step, sorted(missing),
+                        sorted(unexpected))
+
+    def _resume_from_load_path(self, state, strict) -> Optional[int]:
+        url, step = split_load_path(self.load_path)
+        storage = open_storage(url, self.storage_options)
+        catalog, blobs = Catalog(storage), BlobStore(storage, quarantine=False)
+        steps = [step] if step is not None else list(reversed(catalog.committed_steps()))
+        if step is not None and not catalog.is_committed(step):
+            raise CheckpointError(f"load_path {storage.url}: step {step} is not committed")
+        for s in steps:
+            try:
+                self._restore(state, catalog, blobs, s, strict=strict, check_config=False,
+                              components=self.load_components)
+            except CorruptCheckpointError as e:
+                if step is not None:
+                    raise
+                log.warning("load_path %s: step %d is damaged, trying an older one: %s", storage.url, s, e)
+                continue
+            self.resumed_from = {"tier": "load_path", "step": s, "url": storage.url,
+                                 "components": list(self.load_components) if self.load_components else None}
+            log.info("no checkpoint of this run yet: initialised from %s step %d%s", storage.url, s,
+                     f" (components {list(self.load_components)})" if self.load_components else "")
+            return None if self.load_components is not None else s
+        raise CheckpointError(f"load_path {storage.url} holds no valid committed step")
+
+    def pull(self, step: Optional[int] = None) -> int:
+        """Copy a committed step of ``remote`` (default: its newest committed step) into the local root,
+        verifying every blob. Returns the step. Raises ``FileNotFoundError`` if the remote has none."""
+        self._check_open()
+        if self.remote_storage is None:
+            raise CheckpointError("pull needs Store(..., remote=URL)")
+        remote_catalog = Catalog(self.remote_storage)
+        if step is None:
+            steps = remote_catalog.committed_steps()
+            if not steps:
+                raise FileNotFoundError(f"no committed step in {self.remote_storage.url}")
+            step = steps[-1]
+        elif not remote_catalog.is_committed(check_step(step)):
+            raise FileNotFoundError(f"step {step} is not committed in {self.remote_storage.url}")
+        self._pull(step)
+        return step
+
+    def _pull(self, step: int) -> None:
+        """Copy a committed remote step into the local root (blobs verified), then mark it committed here."""
+        copier = StepCopier(self.remote_storage, self.storage, retry=self._upload_retry)
+        try:
+            with self._maint:
+                stats = copier.copy_step(step)
+                latest = read_latest(self.storage)
+                if latest is None or latest < step or not self.catalog.is_committed(latest):
+                    write_latest(self.storage, step)
+        finally:
+            copier.close()
+        log.info("pulled step %d from %s: %d blobs, %d bytes in %.2f s", step, self.remote_storage.url,
+                 stats.blobs_copied, stats.bytes_copied, stats.seconds)
 
     # -- maintenance --------------------------------------------------------------------------------------
     def gc(self, *, grace_seconds: float = 3600.0, dry_run: bool = False, force: bool = False) -> GCReport:
@@ -462,13 +639,18 @@ class Store:
             raise CheckpointError(f"store {self.root} is closed")
 
     def close(self) -> None:
-        """Wait for the save in flight, release threads and staging memory. Idempotent.
+        """Wait for the save in flight and for uploads, release threads and staging memory. Idempotent.
 
-        Raises the in-flight save's error if nobody has seen it yet (the store is closed all the same)."""
+        Raises the in-flight save's or an upload's error if nobody has seen it yet (the store is closed all
+        the same; committed steps not yet uploaded are uploaded when the store is opened again)."""
         if self._closed:
             return
         try:
-            self.wait()
+            try:
+                self.wait()
+            finally:
+                if self._uploader is not None:
+                    self._uploader.close()
         finally:
             self._closed = True
             self._bg.shutdown(wait=True)
@@ -490,6 +672,13 @@ class Store:
 
     def __repr__(self) -> str:
         return f"Store({self.root!r}, rank={self.rank}, world_size={self.world_size})"
+
+
+def _quiet(fn) -> bool:
+    try:
+        return bool(fn())
+    except Exception:
+        return False
 
 
 def _local_path(root) -> str:

@@ -16,6 +16,12 @@ from typing import List, Optional, Union
 Buffer = Union[bytes, bytearray, memoryview]
 
 
+def content_token(data: bytes):
+    """A version token derived from the content, for backends without object versions."""
+    import hashlib
+    return ("sha256", hashlib.sha256(data).hexdigest())
+
+
 class Storage(ABC):
     """A flat namespace of files under one root. Implementations must be thread-safe."""
 
@@ -64,6 +70,40 @@ class Storage(ABC):
     @abstractmethod
     def rmtree(self, path: str) -> None:
         """Remove a directory/prefix and everything under it; missing is not an error."""
+
+    # -- compare-and-swap, for the forward-only latest pointer ---------------------------------------------
+    #: whether write_if_match is a real conditional write (False: check-then-write, racy between writers)
+    conditional_writes = False
+
+    def read_versioned(self, path: str):
+        """``(data or None, token)``: the file's bytes and an opaque version token for :meth:`write_if_match`
+        (``None`` data and token when the file does not exist)."""
+        try:
+            data = self.read_bytes(path)
+        except FileNotFoundError:
+            return None, None
+        return data, content_token(data)
+
+    def write_if_match(self, path: str, data: Buffer, token) -> bool:
+        """Write ``path`` only if it is still at version ``token`` (``None``: only if it does not exist).
+        Returns False, writing nothing, when another writer got there first. This default re-reads and
+        compares, then writes: correct for one writer, racy between several (see ``conditional_writes``)."""
+        if token is None:
+            return self.write_new(path, data)
+        if self.read_versioned(path)[1] != token:
+            return False
+        self.write_atomic(path, data)
+        return True
+
+    # -- whole files ----------------------------------------------------------------------------------------
+    def put_file(self, path: str, local_file: str) -> None:
+        """Upload a local file to ``path`` (object stores: multipart, parallel, bounded memory)."""
+        with open(local_file, "rb") as f:
+            self.write_atomic(path, f.read())
+
+    def local_path(self, path: str) -> Optional[str]:
+        """The OS path of ``path`` when this storage is a local filesystem, else ``None``."""
+        return None
 
     def move(self, src: str, dst: str) -> None:
         """Move a file (used to quarantine corrupt blobs). Not atomic on object stores."""

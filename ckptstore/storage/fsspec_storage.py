@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import fsspec
 
-from .base import Buffer, Storage
+from .base import Buffer, Storage, content_token  # noqa: F401
 
 
 def _redact(url: str) -> str:
@@ -21,6 +21,13 @@ def _redact(url: str) -> str:
         scheme, rest = url.split("://", 1)
         return f"{scheme}://***@{rest.split('@', 1)[1]}"
     return url
+
+
+def _is_precondition_failure(e: BaseException) -> bool:
+    if isinstance(e, FileExistsError):
+        return True
+    text = f"{type(e).__name__} {e} {getattr(e, 'code', '')}"
+    return "412" in text or "PreconditionFailed" in text or "conditionNotMet" in text
 
 
 class FsspecStorage(Storage):
@@ -79,6 +86,54 @@ class FsspecStorage(Storage):
             return False
         self.fs.pipe_file(full, bytes(data))
         return True
+
+    # -- conditional writes: S3 ETag / If-Match, GCS generation / ifGenerationMatch --------------------------
+    @property
+    def _protocol(self) -> str:
+        p = self.fs.protocol
+        return p[0] if isinstance(p, (tuple, list)) else p
+
+    @property
+    def conditional_writes(self) -> bool:
+        return self._protocol in ("s3", "s3a", "gs", "gcs")
+
+    def read_versioned(self, path: str):
+        if not self.conditional_writes:
+            return super().read_versioned(path)
+        full = self._p(path)
+        try:
+            info = self.fs.info(full)          # token first: if the object changes before the read, the
+            data = self.fs.cat_file(full)      # conditional write with this (older) token fails, as it must
+        except FileNotFoundError:
+            return None, None
+        if self._protocol in ("s3", "s3a"):
+            return data, info.get("ETag") or info.get("etag")
+        return data, info.get("generation")
+
+    def write_if_match(self, path: str, data: Buffer, token) -> bool:
+        if token is None:
+            return self.write_new(path, data)
+        full = self._p(path)
+        try:
+            if self._protocol in ("s3", "s3a"):
+                self.fs.pipe_file(full, bytes(data), IfMatch=token)
+            elif self._protocol in ("gs", "gcs"):
+                bucket, key, _ = self.fs.split_path(full)
+                self.fs.call("POST", f"{self.fs._location}/upload/storage/v1/b/{bucket}/o", uploadType="media",
+                             name=key, ifGenerationMatch=str(token), data=bytes(data),
+                             headers={"Content-Type": "application/octet-stream"})
+                self.fs.invalidate_cache(full)
+            else:                                      # no conditional writes: check, then write (racy)
+                return super().write_if_match(path, data, token)
+            return True
+        except Exception as e:                        # precondition failures surface as several types
+            if _is_precondition_failure(e):
+                self.fs.invalidate_cache(full)
+                return False
+            raise
+
+    def put_file(self, path: str, local_file: str) -> None:
+        self.fs.put_file(local_file, self._p(path))
 
     def listdir(self, path: str) -> List[str]:
         try:

@@ -8,6 +8,7 @@ its exact length. Filesystems without ``O_DIRECT`` (tmpfs) fall back to buffered
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import shutil
@@ -165,6 +166,38 @@ class LocalStorage(Storage):
             return False
         finally:
             _unlink_quiet(tmp)
+
+    conditional_writes = True
+
+    def local_path(self, path: str) -> Optional[str]:
+        return self._abs(path)
+
+    def read_versioned(self, path: str):
+        full = self._abs(path)
+        try:
+            with open(full, "rb") as f:
+                st = os.fstat(f.fileno())
+                return f.read(), (st.st_ino, st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            return None, None
+
+    def write_if_match(self, path: str, data: Buffer, token) -> bool:
+        """Compare-and-swap under an exclusive ``flock`` on ``<root>/.lock`` (all writers of this root on this
+        host take it); the swap itself is write-temp, fsync, rename."""
+        lock_fd = os.open(os.path.join(self.root, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            try:
+                st = os.stat(self._abs(path))
+                current = (st.st_ino, st.st_mtime_ns, st.st_size)
+            except FileNotFoundError:
+                current = None
+            if current != token:
+                return False
+            self.write_atomic(path, data)
+            return True
+        finally:
+            os.close(lock_fd)                     # releases the lock
 
     def sync(self, dirs) -> None:
         for d in sorted(set(dirs)):

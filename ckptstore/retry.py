@@ -1,0 +1,71 @@
+"""Retries with exponential backoff and jitter, under an overall deadline, for object-store calls.
+
+Transient failures (connection refused/reset, timeouts, throttling, 5xx) are retried; anything else (a
+missing file, a permission error, a precondition failure) is raised at once. A call that does not return
+within ``op_timeout`` seconds counts as stalled: it is abandoned (its thread is left to finish on its own) and
+retried, and when the deadline passes the last error is raised as :class:`~ckptstore.errors.UploadError`.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, TypeVar
+
+from .errors import UploadError
+
+log = logging.getLogger("ckptstore")
+T = TypeVar("T")
+
+_TRANSIENT_WORDS = ("timeout", "timed out", "throttl", "slowdown", "slow down", "too many requests", "503",
+                    "500", "502", "504", "429", "connection", "reset by peer", "broken pipe", "temporarily",
+                    "serviceunavailable", "internalerror", "requesttimeout", "cannot connect", "server disconnected",
+                    "endpoint", "eof")
+
+
+def is_transient(e: BaseException) -> bool:
+    if isinstance(e, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError, NotADirectoryError,
+                      ValueError, TypeError, KeyError)):
+        return False
+    if isinstance(e, (ConnectionError, TimeoutError, concurrent.futures.TimeoutError)):
+        return True
+    text = f"{type(e).__name__}: {e}".lower()
+    return any(w in text for w in _TRANSIENT_WORDS) or isinstance(e, OSError)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """``deadline``: seconds one logical operation (e.g. one blob upload) may take in total, retries included.
+    ``op_timeout``: seconds one attempt may take before it counts as stalled. Backoff doubles from
+    ``backoff`` up to ``max_backoff`` seconds, with full jitter."""
+    deadline: float = 300.0
+    op_timeout: float = 120.0
+    backoff: float = 0.2
+    max_backoff: float = 10.0
+
+    def call(self, fn: Callable[[], T], what: str, *, executor: Optional[concurrent.futures.Executor] = None) -> T:
+        start = time.monotonic()
+        attempt = 0
+        while True:
+            attempt += 1
+            remaining = self.deadline - (time.monotonic() - start)
+            try:
+                if executor is None:
+                    return fn()
+                return executor.submit(fn).result(timeout=max(0.01, min(self.op_timeout, remaining)))
+            except BaseException as e:  # noqa: B902 - classified below
+                if isinstance(e, concurrent.futures.TimeoutError):
+                    e = TimeoutError(f"no answer within {min(self.op_timeout, remaining):.1f} s (stalled)")
+                if not is_transient(e):
+                    raise
+                elapsed = time.monotonic() - start
+                if elapsed >= self.deadline:
+                    raise UploadError(f"{what}: gave up after {attempt} attempt(s) in {elapsed:.1f} s "
+                                      f"(deadline {self.deadline:.0f} s): {type(e).__name__}: {e}") from None
+                sleep = min(self.max_backoff, self.backoff * 2 ** (attempt - 1)) * random.random()
+                sleep = min(sleep, max(0.0, self.deadline - elapsed))
+                log.info("%s: attempt %d failed (%s: %s); retrying in %.2f s", what, attempt, type(e).__name__,
+                         e, sleep)
+                time.sleep(sleep)

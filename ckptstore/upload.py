@@ -1,0 +1,167 @@
+"""The background uploader: committed local steps -> remote store, in commit order, crash-safe.
+
+Per step: blobs the remote lacks (in parallel; each verified against its id before it leaves), then the
+manifests, then the commit marker, then the remote latest pointer (moved forward only, with conditional
+writes). A remote reader therefore never sees a committed step with a missing blob.
+
+Crash safety: nothing about pending uploads lives only in memory. At start-up the steps to upload are derived
+from the two stores: every local committed step newer than the remote's newest committed step. A process
+killed mid-upload leaves at most blobs and manifests without a commit marker on the remote (invisible, and
+reused by the next attempt since blobs are content-addressed); reopening the store finishes the upload.
+
+Backlog policy: uploads never block training. When steps are committed faster than they upload, the queue
+keeps the step being uploaded plus the newest ``max_backlog`` waiting steps; older waiting steps are dropped
+from the queue (they stay on local disk) and logged, so the remote always converges to the newest step and
+memory and lag stay bounded. Failures (after retries, or past the deadline) stop the uploader and are raised
+once by the store's next ``save()``, ``wait_for_uploads()`` or ``close()``; after that the pending steps are
+derived again and uploading resumes.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, List, Optional
+
+from .catalog import Catalog
+from .errors import UploadError
+from .pointers import advance_latest, read_latest
+from .retry import RetryPolicy
+from .transfer import StepCopier, TransferStats
+
+log = logging.getLogger("ckptstore")
+
+
+class Uploader:
+    def __init__(self, local, remote, *, workers: int = 8, retry: Optional[RetryPolicy] = None,
+                 max_backlog: int = 2, on_uploaded: Optional[Callable[[int], None]] = None):
+        self.local, self.remote = local, remote
+        self.copier = StepCopier(local, remote, workers=workers, retry=retry)
+        self.retry = self.copier.retry
+        self.max_backlog = max(1, max_backlog)
+        self.on_uploaded = on_uploaded
+        self.uploaded: List[TransferStats] = []      # history, newest last
+        self._queue: List[int] = []
+        self._current: Optional[int] = None
+        self._error: Optional[BaseException] = None
+        self._derived = False
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="ckptstore-upload", daemon=True)
+        self._thread.start()
+
+    # -- public ---------------------------------------------------------------------------------------------
+    def enqueue(self, step: int) -> None:
+        with self._cond:
+            if step not in self._queue and step != self._current:
+                self._queue.append(step)
+                self._queue.sort()
+                while len(self._queue) > self.max_backlog:
+                    dropped = self._queue.pop(0)
+                    log.warning("upload backlog: step %d will not be uploaded (newer steps are waiting; it "
+                                "stays on local disk)", dropped)
+            self._cond.notify_all()
+
+    def pending(self) -> List[int]:
+        """Steps waiting or being uploaded."""
+        with self._cond:
+            return sorted(self._queue + ([self._current] if self._current is not None else []))
+
+    def raise_if_failed(self) -> None:
+        """Raise the upload failure once, then let the uploader derive its work again and go on."""
+        with self._cond:
+            err, self._error = self._error, None
+            if err is not None:
+                self._derived = False
+                self._cond.notify_all()
+        if err is not None:
+            raise err
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Block until nothing is pending; raise :class:`UploadError` on failure or timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while (self._queue or self._current is not None or not self._derived) and self._error is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise UploadError(f"uploads still pending after {timeout} s: steps {self.pending()}")
+                self._cond.wait(left if left is not None else 1.0)
+        self.raise_if_failed()
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        try:
+            self.wait(timeout)
+        finally:
+            with self._cond:
+                self._closing = True
+                self._cond.notify_all()
+            self._thread.join(timeout=5)
+            self.copier.close()
+
+    # -- the thread -----------------------------------------------------------------------------------------
+    def _derive(self) -> None:
+        """Pending steps = local committed steps newer than the remote's newest committed step."""
+        remote_steps = self.retry.call(lambda: Catalog(self.remote).committed_steps(), "list remote steps")
+        newest_remote = remote_steps[-1] if remote_steps else None
+        if newest_remote is not None:
+            self.copier.remember_dst_step(newest_remote)
+        local_steps = Catalog(self.local).committed_steps()
+        todo = [s for s in local_steps if newest_remote is None or s > newest_remote]
+        with self._cond:
+            for s in todo:
+                if s not in self._queue:
+                    self._queue.append(s)
+            self._queue.sort()
+            del self._queue[:-self.max_backlog]
+            self._derived = True
+        if todo:
+            log.info("uploads pending from %s to %s: steps %s", self.local.url, self.remote.url, self._queue)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closing and (self._error is not None or (self._derived and not self._queue)):
+                    self._cond.wait()
+                if self._closing:
+                    return
+                need_derive = not self._derived
+            if need_derive:
+                try:
+                    self._derive()
+                except BaseException as e:
+                    self._fail(e)
+                continue
+            with self._cond:
+                if not self._queue:
+                    continue
+                step = self._current = self._queue.pop(0)
+            try:
+                if not Catalog(self.local).is_committed(step):
+                    log.info("step %d is no longer committed locally; not uploading it", step)
+                else:
+                    stats = self.copier.copy_step(step)
+                    self.retry.call(lambda: advance_latest(self.remote, step), f"advance remote latest to {step}")
+                    self.uploaded.append(stats)
+                    log.info("uploaded step %d: %d/%d blobs, %d bytes in %.2f s", step, stats.blobs_copied,
+                             stats.blobs_total, stats.bytes_copied, stats.seconds)
+                    if self.on_uploaded is not None:
+                        self.on_uploaded(step)
+                with self._cond:
+                    self._current = None
+                    self._cond.notify_all()
+            except BaseException as e:
+                self._fail(e, step)
+
+    def _fail(self, e: BaseException, step: Optional[int] = None) -> None:
+        if not isinstance(e, UploadError):
+            what = f"upload of step {step}" if step is not None else "upload start-up"
+            err = UploadError(f"{what} to {self.remote.url} failed: {type(e).__name__}: {e}")
+            err.__cause__ = e
+            e = err
+        log.error("%s", e)
+        with self._cond:
+            self._error = e
+            if step is not None and step not in self._queue:
+                self._queue.insert(0, step)
+            self._current = None
+            self._cond.notify_all()
