@@ -45,7 +45,8 @@ class RetryPolicy:
     backoff: float = 0.2
     max_backoff: float = 10.0
 
-    def call(self, fn: Callable[[], T], what: str, *, executor: Optional[concurrent.futures.Executor] = None) -> T:
+    def call(self, fn: Callable[[], T], what: str, *, executor: Optional[concurrent.futures.Executor] = None,
+             on_retry: Optional[Callable[[BaseException], None]] = None) -> T:
         start = time.monotonic()
         attempt = 0
         while True:
@@ -60,6 +61,8 @@ class RetryPolicy:
                     e = TimeoutError(f"no answer within {min(self.op_timeout, remaining):.1f} s (stalled)")
                 if not is_transient(e):
                     raise
+                if on_retry is not None:
+                    on_retry(e)
                 elapsed = time.monotonic() - start
                 if elapsed >= self.deadline:
                     raise UploadError(f"{what}: gave up after {attempt} attempt(s) in {elapsed:.1f} s "

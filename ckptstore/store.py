@@ -155,7 +155,7 @@ class Store:
                  storage_options: Optional[Mapping[str, Any]] = None, create: bool = True,
                  track_versions: bool = True, remote: Optional[str] = None, load_path: Optional[str] = None,
                  load_components: Optional[Iterable[str]] = None, keep_local: Optional[int] = None,
-                 upload_workers: int = 8, upload_retry: Optional[RetryPolicy] = None, upload_backlog: int = 2,
+                 upload_workers: int = 8, upload_retry: Optional[RetryPolicy] = None, upload_backlog: int = 8,
                  upload: bool = True):
         if codec not in CODECS:
             raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")

@@ -19,7 +19,7 @@ import blake3
 
 from .blobs import decompress, digest_bytes
 from .catalog import Catalog
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, UploadError
 from .layout import blob_path, commit_path, manifest_path
 from .manifest import Commit, Manifest
 from .retry import RetryPolicy
@@ -65,6 +65,7 @@ class StepCopier:
         self.known_dst: Set[str] = set()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptstore-xfer")
+        self._disturbed = False          # a call needed a retry: the destination may have lost state
         self._calls = ThreadPoolExecutor(max_workers=4 * workers, thread_name_prefix="ckptstore-call")
 
     def close(self) -> None:
@@ -72,7 +73,10 @@ class StepCopier:
         self._calls.shutdown(wait=False)
 
     def _call(self, fn, what):
-        return self.retry.call(fn, what, executor=self._calls)
+        return self.retry.call(fn, what, executor=self._calls, on_retry=self._note_retry)
+
+    def _note_retry(self, e: BaseException) -> None:
+        self._disturbed = True
 
     # -- reading the source step ----------------------------------------------------------------------------
     def read_step(self, step: int) -> Tuple[bytes, Commit, List[Tuple[int, bytes, Manifest]]]:
@@ -140,6 +144,31 @@ class StepCopier:
                 for c in entry.chunks:
                     blobs[c.blob_id] = c
         stats = TransferStats(step=step, blobs_total=len(blobs))
+        self._disturbed = False
+        for _ in range(10):
+            self._copy_blobs(step, blobs, stats)
+            self.dst.sync({blob_path(b, c.codec).rsplit("/", 1)[0] for b, c in blobs.items()})
+            for rank, data, _ in manifests:
+                path = manifest_path(step, rank)
+                self._call(lambda p=path, d=data: self.dst.write_atomic(p, d), f"write {path}")
+            if not self._disturbed:
+                break
+            # A call failed and was retried (outage, timeout): the destination may have lost or never stored
+            # what we believe it holds. Forget what we know of this step's blobs and check each again before
+            # the commit marker makes the step visible.
+            log.warning("step %d: transient errors during upload; re-checking its %d blobs on %s", step,
+                        len(blobs), self.dst.url)
+            self._disturbed = False
+            self.dst.refresh()
+            with self._lock:
+                self.known_dst.difference_update(blobs)
+        else:
+            raise UploadError(f"step {step}: the destination kept failing while its blobs were checked")
+        self._call(lambda: self.dst.write_atomic(commit_path(step), commit_bytes), f"write commit of step {step}")
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _copy_blobs(self, step: int, blobs, stats: TransferStats) -> None:
         futures = [self._pool.submit(self._copy_blob, step, c.blob_id, c.codec, c.nbytes) for c in blobs.values()]
         error = None
         for f in futures:
@@ -152,13 +181,12 @@ class StepCopier:
                 error = error or e
         if error is not None:
             raise error
-        self.dst.sync({blob_path(b, c.codec).rsplit("/", 1)[0] for b, c in blobs.items()})
-        for rank, data, _ in manifests:
-            path = manifest_path(step, rank)
-            self._call(lambda p=path, d=data: self.dst.write_atomic(p, d), f"write {path}")
-        self._call(lambda: self.dst.write_atomic(commit_path(step), commit_bytes), f"write commit of step {step}")
-        stats.seconds = time.perf_counter() - t0
-        return stats
+
+    def forget_dst(self) -> None:
+        """Drop everything known about the destination (after a failure: it may have changed)."""
+        self.dst.refresh()
+        with self._lock:
+            self.known_dst.clear()
 
     def remember_dst_step(self, step: int) -> None:
         """Add the blobs of a step already committed on ``dst`` to ``known_dst`` (one manifest read per rank)."""

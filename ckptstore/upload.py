@@ -34,7 +34,7 @@ log = logging.getLogger("ckptstore")
 
 class Uploader:
     def __init__(self, local, remote, *, workers: int = 8, retry: Optional[RetryPolicy] = None,
-                 max_backlog: int = 2, on_uploaded: Optional[Callable[[int], None]] = None):
+                 max_backlog: int = 8, on_uploaded: Optional[Callable[[int], None]] = None):
         self.local, self.remote = local, remote
         self.copier = StepCopier(local, remote, workers=workers, retry=retry)
         self.retry = self.copier.retry
@@ -101,7 +101,7 @@ class Uploader:
     # -- the thread -----------------------------------------------------------------------------------------
     def _derive(self) -> None:
         """Pending steps = local committed steps newer than the remote's newest committed step."""
-        remote_steps = self.retry.call(lambda: Catalog(self.remote).committed_steps(), "list remote steps")
+        remote_steps = self.copier._call(lambda: Catalog(self.remote).committed_steps(), "list remote steps")
         newest_remote = remote_steps[-1] if remote_steps else None
         if newest_remote is not None:
             self.copier.remember_dst_step(newest_remote)
@@ -140,7 +140,7 @@ class Uploader:
                     log.info("step %d is no longer committed locally; not uploading it", step)
                 else:
                     stats = self.copier.copy_step(step)
-                    self.retry.call(lambda: advance_latest(self.remote, step), f"advance remote latest to {step}")
+                    self.copier._call(lambda: advance_latest(self.remote, step), f"advance remote latest to {step}")
                     self.uploaded.append(stats)
                     log.info("uploaded step %d: %d/%d blobs, %d bytes in %.2f s", step, stats.blobs_copied,
                              stats.blobs_total, stats.bytes_copied, stats.seconds)
@@ -153,12 +153,13 @@ class Uploader:
                 self._fail(e, step)
 
     def _fail(self, e: BaseException, step: Optional[int] = None) -> None:
-        if not isinstance(e, UploadError):
-            what = f"upload of step {step}" if step is not None else "upload start-up"
-            err = UploadError(f"{what} to {self.remote.url} failed: {type(e).__name__}: {e}")
-            err.__cause__ = e
-            e = err
+        what = f"upload of step {step}" if step is not None else "upload start-up"
+        detail = str(e) if isinstance(e, UploadError) else f"{type(e).__name__}: {e}"
+        err = UploadError(f"{what} to {self.remote.url} failed: {detail}")
+        err.__cause__ = e
+        e = err
         log.error("%s", e)
+        self.copier.forget_dst()
         with self._cond:
             self._error = e
             if step is not None and step not in self._queue:

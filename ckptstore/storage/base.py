@@ -117,5 +117,8 @@ class Storage(ABC):
     def sync(self, dirs) -> None:
         """Make the given directories' entries durable (local fsync of directories); no-op elsewhere."""
 
+    def refresh(self) -> None:
+        """Forget any cached listings / metadata (after an outage the backend may have changed)."""
+
     def close(self) -> None:
         pass

@@ -24,10 +24,10 @@ def _redact(url: str) -> str:
 
 
 def _is_precondition_failure(e: BaseException) -> bool:
-    if isinstance(e, FileExistsError):
+    if isinstance(e, FileExistsError) or getattr(e, "code", None) == 412 or getattr(e, "status", None) == 412:
         return True
-    text = f"{type(e).__name__} {e} {getattr(e, 'code', '')}"
-    return "412" in text or "PreconditionFailed" in text or "conditionNotMet" in text
+    text = f"{type(e).__name__} {e}".lower().replace("-", "")
+    return "412" in text or "precondition" in text or "conditionnotmet" in text
 
 
 class FsspecStorage(Storage):
@@ -158,6 +158,9 @@ class FsspecStorage(Storage):
             self.fs.rm(self._p(path), recursive=True)
         except FileNotFoundError:
             pass
+
+    def refresh(self) -> None:
+        self.fs.invalidate_cache()
 
     def __repr__(self) -> str:
         return f"FsspecStorage({self.url!r})"

@@ -1,0 +1,305 @@
+"""Remote stores against real servers on 127.0.0.1 (moto S3, fake-gcs-server) and memory://."""
+import json
+import logging
+import os
+import random
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+
+from backends.pytest_plugin import require_restart
+from ckptstore import CorruptCheckpointError, Store, UploadError
+from ckptstore.layout import LATEST
+from ckptstore.pointers import advance_latest, decode_pointer
+from ckptstore.retry import RetryPolicy
+from ckptstore.storage import open_storage
+
+
+def state_at(step, n=50_000, frozen=None):
+    g = torch.Generator().manual_seed(step)
+    s = {"w": torch.randn(n, generator=g), "progress": {"step": step}}
+    if frozen is not None:
+        s["frozen"] = frozen
+    return s
+
+
+def remote_store(target, **kw):
+    """A read-only view of the remote store itself (what another node would see)."""
+    return Store(target.url, storage_options=target.storage_options, create=False, **kw)
+
+
+def test_upload_then_resume_from_remote_after_local_loss(tmp_path, remote_url):
+    local = tmp_path / "run"
+    frozen = torch.randn(100_000)
+    with Store(local, remote=remote_url.url, storage_options=remote_url.storage_options) as s:
+        for step in (1, 2, 3):
+            s.save(state_at(step, frozen=frozen), step, metrics={"loss": 1.0 / step})
+        s.wait_for_uploads()
+        stats = {u.step: u for u in s._uploader.uploaded}
+    assert sorted(stats) == [1, 2, 3]
+    assert stats[2].bytes_copied == 50_000 * 4          # the frozen tensor went up once, with step 1
+    with remote_store(remote_url) as r:
+        assert r.steps() == [1, 2, 3] and r.verify() == {1: None, 2: None, 3: None}
+        assert decode_pointer(r.storage.read_bytes(LATEST)) == 3
+        assert r.commit_info(3).metrics == {"loss": 1.0 / 3}
+    shutil.rmtree(local)                                  # the node was wiped
+    state = {"w": None, "progress": None, "frozen": None}
+    with Store(local, remote=remote_url.url, storage_options=remote_url.storage_options) as s:
+        assert s.resume(state) == 3
+        assert s.resumed_from["tier"] == "remote"
+        assert s.steps() == [3]                           # pulled into the local root
+    assert torch.equal(state["w"], state_at(3)["w"]) and torch.equal(state["frozen"], frozen)
+
+
+def test_remote_blob_with_flipped_byte_is_detected_and_resume_falls_back(tmp_path, remote_url):
+    local = tmp_path / "run"
+    with Store(local, remote=remote_url.url, storage_options=remote_url.storage_options) as s:
+        s.save(state_at(1), 1)
+        s.save(state_at(2), 2)
+        s.wait_for_uploads()
+        manifest = s.catalog.read_manifest(s.catalog.read_commit(2), 0)
+        blob_id = [e for n, e in manifest.arrays() if n.path == ("w",)][0].chunks[0].blob_id
+    fs, root = fsspec.core.url_to_fs(remote_url.url, **remote_url.storage_options)
+    path = f"{root}/objects/{blob_id[:2]}/{blob_id}"
+    data = bytearray(fs.cat_file(path))
+    data[17] ^= 0x40
+    fs.pipe_file(path, bytes(data))
+    fs.invalidate_cache()
+    shutil.rmtree(local)
+    with Store(local, remote=remote_url.url, storage_options=remote_url.storage_options, upload=False) as s:
+        with pytest.raises(CorruptCheckpointError, match=blob_id):
+            s.pull(2)
+        assert s.steps() == []                            # nothing half-pulled is visible
+        state = {"w": None, "progress": None}
+        assert s.resume(state) == 1
+    assert state["progress"] == {"step": 1}
+
+
+def test_damaged_local_step_is_repaired_from_remote(tmp_path, remote_url):
+    local = tmp_path / "run"
+    with Store(local, remote=remote_url.url, storage_options=remote_url.storage_options) as s:
+        s.save(state_at(1), 1)
+        s.wait_for_uploads()
+    for blob in (local / "objects").rglob("*"):
+        if blob.is_file():
+            blob.write_bytes(b"garbage")
+    with Store(local, remote=remote_url.url, storage_options=remote_url.storage_options) as s:
+        state = {"w": None, "progress": None}
+        assert s.resume(state) == 1 and s.resumed_from["tier"] == "remote"
+    assert torch.equal(state["w"], state_at(1)["w"])
+
+
+@pytest.mark.parametrize("kind", ["local", "s3", "gcs"])
+def test_remote_latest_pointer_never_moves_backwards(tmp_path, request, kind):
+    if kind == "local":
+        storage = open_storage(tmp_path)
+    else:
+        target = request.getfixturevalue(f"{kind}_bucket_url")
+        storage = open_storage(target.url, target.storage_options)
+    assert storage.conditional_writes
+    steps = list(range(1, 41))
+    random.Random(0).shuffle(steps)
+    seen, stop = [], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            try:
+                seen.append(decode_pointer(storage.read_bytes(LATEST)))
+            except FileNotFoundError:
+                pass
+
+    errors = []
+
+    def writer(mine):
+        try:
+            for s in mine:
+                advance_latest(storage, s)
+        except BaseException as e:
+            errors.append(e)
+
+    w = threading.Thread(target=watch)
+    w.start()
+    writers = [threading.Thread(target=writer, args=(steps[i::2],)) for i in range(2)]
+    for t in writers:
+        t.start()
+    for t in writers:
+        t.join()
+    stop.set()
+    w.join()
+    assert not errors, errors
+    assert decode_pointer(storage.read_bytes(LATEST)) == 40
+    assert seen == sorted(seen), "the pointer moved backwards"
+
+
+def test_load_path_components_then_own_checkpoints_win(tmp_path, remote_url):
+    pre = tmp_path / "pretrain"
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    with Store(pre, remote=remote_url.url, storage_options=remote_url.storage_options) as s:
+        s.save({"model": model, "optimizer": opt, "progress": {"step": 1000}}, 1000)
+        s.wait_for_uploads()
+    shutil.rmtree(pre)
+
+    def fresh():
+        m = torch.nn.Linear(8, 8)
+        return {"model": m, "optimizer": torch.optim.AdamW(m.parameters()), "progress": {"step": 0}}
+
+    run = tmp_path / "finetune"
+    state = fresh()
+    with Store(run, load_path=remote_url.url, load_components=("model",),
+               storage_options=remote_url.storage_options) as s:
+        assert s.resume(state) is None                    # the run itself starts at its own step 0
+        assert s.resumed_from == {"tier": "load_path", "step": 1000, "url": s.resumed_from["url"],
+                                  "components": ["model"]}
+        assert torch.equal(state["model"].weight, model.weight)
+        assert state["optimizer"].state_dict()["state"] == {}       # not taken from load_path
+        assert state["progress"] == {"step": 0}
+        with torch.no_grad():
+            state["model"].weight.add_(1)
+        s.save(state, 5)
+    state = fresh()
+    with Store(run, load_path=f"{remote_url.url}/steps/000000001000", load_components=("model",),
+               storage_options=remote_url.storage_options) as s:
+        assert s.resume(state) == 5 and s.resumed_from["tier"] == "local"
+    assert torch.equal(state["model"].weight, model.weight + 1)
+
+
+def test_load_path_full_state_and_explicit_step(tmp_path, remote_url):
+    src = tmp_path / "src"
+    with Store(src, remote=remote_url.url, storage_options=remote_url.storage_options) as s:
+        s.save(state_at(7), 7)
+        s.save(state_at(9), 9)
+        s.wait_for_uploads()
+    state = {"w": None, "progress": None}
+    with Store(tmp_path / "dst", load_path=f"{remote_url.url}/steps/7",
+               storage_options=remote_url.storage_options) as s:
+        assert s.resume(state) == 7
+    assert state["progress"] == {"step": 7}
+
+
+def test_upload_failure_is_raised_by_wait_save_and_close(tmp_path, s3_bucket_url, s3_server):
+    require_restart(s3_server)
+    fast = RetryPolicy(deadline=2.0, op_timeout=1.0, backoff=0.05, max_backoff=0.2)
+    s = Store(tmp_path / "run", remote=s3_bucket_url.url, storage_options=s3_bucket_url.storage_options,
+              upload_retry=fast)
+    s.save(state_at(1), 1)
+    s.wait_for_uploads()
+    s3_server.stop()
+    try:
+        t0 = time.monotonic()
+        s.save(state_at(2), 2)
+        with pytest.raises(UploadError, match="step 2"):
+            s.wait_for_uploads()
+        assert time.monotonic() - t0 < 30                 # failed loudly, by its deadline
+        assert s.steps() == [1, 2]                        # nothing committed locally is lost
+        assert torch.equal(s.load(2)["w"], state_at(2)["w"])
+        s.save(state_at(3), 3)                            # reported once; uploads go on being tried
+        with pytest.raises(UploadError):                  # ... and fail again by their deadline
+            s.wait_for_uploads(timeout=60)
+        raised, step = False, 4
+        for step in range(4, 40):                         # an unreported failure stops the next save
+            try:
+                s.save(state_at(step), step)
+            except UploadError:
+                raised = True
+                break
+            time.sleep(0.5)
+        assert raised and step not in s.steps()
+        with pytest.raises(UploadError):                  # and close() raises it too
+            s.close()
+    finally:
+        s3_server.start()
+
+
+def test_s3_outage_mid_upload_retries_and_completes(tmp_path, s3_bucket_url, s3_server):
+    require_restart(s3_server)
+    bucket = s3_bucket_url.url[len("s3://"):].split("/")[0]
+    with Store(tmp_path / "run", remote=s3_bucket_url.url, storage_options=s3_bucket_url.storage_options,
+               chunk_size=1 << 20, upload_workers=2,
+               upload_retry=RetryPolicy(deadline=60, op_timeout=10, backoff=0.1, max_backoff=0.5)) as s:
+        s.save(state_at(1, n=4_000_000), 1)               # 16 MB in 16 blobs: the outage lands mid-upload
+        time.sleep(0.05)
+        s3_server.stop()                                  # moto forgets everything: a harsh outage
+        time.sleep(1.0)
+        s3_server.start()
+        s3_server.create_bucket(bucket, exist_ok=True)
+        s.wait_for_uploads(timeout=60)
+        assert s.steps() == [1]
+    with remote_store(s3_bucket_url) as r:
+        assert r.steps() == [1] and r.verify() == {1: None}
+
+
+def test_stalled_server_fails_by_deadline_then_recovers(tmp_path, s3_bucket_url, s3_server):
+    require_restart(s3_server)
+    s = Store(tmp_path / "run", remote=s3_bucket_url.url, storage_options=s3_bucket_url.storage_options,
+              upload_retry=RetryPolicy(deadline=3, op_timeout=1, backoff=0.05, max_backoff=0.2))
+    try:
+        s.save(state_at(1), 1)
+        s.wait_for_uploads()
+        s3_server.pause()                                 # accepts connections, answers nothing
+        t0 = time.monotonic()
+        s.save(state_at(2), 2)
+        with pytest.raises(UploadError, match="stalled|deadline"):
+            s.wait_for_uploads(timeout=60)
+        assert time.monotonic() - t0 < 20
+    finally:
+        s3_server.resume()
+    s.wait_for_uploads(timeout=60)                        # derived again: step 2 goes up now
+    s.close()
+    with remote_store(s3_bucket_url) as r:
+        assert r.steps() == [1, 2] and r.verify() == {1: None, 2: None}
+
+
+UPLOAD_WRITER = textwrap.dedent("""
+    import sys, torch
+    from ckptstore import Store
+    local, url, opts, first = sys.argv[1], sys.argv[2], __import__("json").loads(sys.argv[3]), int(sys.argv[4])
+    with Store(local, remote=url, storage_options=opts, chunk_size=1 << 20) as s:
+        for step in range(first, first + 1000):
+            g = torch.Generator().manual_seed(step)
+            s.save({"w": torch.randn(1_000_000, generator=g), "step": step}, step)
+            print("committed", step, flush=True)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["s3", "gcs"])
+def test_sigkill_during_uploads_never_exposes_a_half_step(tmp_path, request, kind):
+    target = request.getfixturevalue(f"{kind}_bucket_url")
+    local = tmp_path / "run"
+    rng = random.Random(1234)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    first = 1
+    for kill in range(6):
+        p = subprocess.Popen([sys.executable, "-c", UPLOAD_WRITER, str(local), target.url,
+                              json.dumps(target.storage_options), str(first)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        # wait for the first commit, then kill at a random moment of the uploads that follow
+        line = p.stdout.readline()
+        assert line.startswith("committed"), p.stderr.read()
+        time.sleep(rng.uniform(0.0, 1.5))
+        p.kill()
+        p.wait()
+        with Store(local, create=False) as s:
+            first = (s.steps() or [0])[-1] + 1
+        with remote_store(target) as r:
+            for step, err in r.verify().items():
+                assert err is None, f"kill {kill}: remote step {step} is damaged: {err}"
+    # reopening the store finishes the uploads
+    with Store(local, remote=target.url, storage_options=target.storage_options) as s:
+        s.wait_for_uploads(timeout=120)
+        newest = s.steps()[-1]
+    with remote_store(target) as r:
+        assert r.steps()[-1] == newest
+        assert all(err is None for err in r.verify().values())
