@@ -31,6 +31,7 @@ from .runconfig import differences, normalize
 from .snapshot import ArraySpec, StagingPool, VersionCache, direct_view, spec_of
 from .state import TORCH_DTYPE_NAMES, Node, flatten, is_stateful, path_str, unflatten
 from .storage import Storage, is_local, open_storage
+from .threads import background_pool
 from .transfer import StepCopier
 from .upload import Uploader
 from .writer import write_arrays
@@ -174,8 +175,12 @@ class Store:
         self.retention = RetentionPolicy(keep_last, keep_every)
         self.commit_timeout = commit_timeout
         self.track_versions = track_versions
+        # The I/O pool serves blocking saves and loads too, which the caller waits for: normal priority. The
+        # background save driver and the uploader run niced (see ckptstore.threads); a non-blocking save's
+        # chunks go through a niced pool of their own.
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ckptstore-io")
-        self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptstore-save")
+        self._bg_pool = background_pool(max(1, workers), "ckptstore-bgio")
+        self._bg = background_pool(1, "ckptstore-save")
         self._versions = VersionCache()
         self._staging = StagingPool()
         self._inflight: Optional[SaveHandle] = None
@@ -243,23 +248,23 @@ class Store:
             self._staging.stage(to_copy, live_paths=[s.path for s in specs])
         t_snap = time.perf_counter()
         job = functools.partial(self._write_and_commit, step, nodes, stateful, specs, metrics, t0,
-                                None if blocking else t_snap - t0)
+                                None if blocking else t_snap - t0, self._pool if blocking else self._bg_pool)
         if blocking:
             return job()
         handle = SaveHandle(step, self._bg.submit(job), stall_seconds=t_snap - t0)
         self._inflight = handle
         return handle
 
-    def _write_and_commit(self, step, nodes, stateful, specs, metrics, t0, stall) -> SaveResult:
+    def _write_and_commit(self, step, nodes, stateful, specs, metrics, t0, stall, pool) -> SaveResult:
         t_start = time.perf_counter()
         with self._maint:
-            return self._write_and_commit_locked(step, nodes, stateful, specs, metrics, t0, stall, t_start)
+            return self._write_and_commit_locked(step, nodes, stateful, specs, metrics, t0, stall, t_start, pool)
 
-    def _write_and_commit_locked(self, step, nodes, stateful, specs, metrics, t0, stall, t_start):
+    def _write_and_commit_locked(self, step, nodes, stateful, specs, metrics, t0, stall, t_start, pool):
         try:
             self._prepare_step(step)
             refs, stats = write_arrays(self.blobs, specs, chunk_size=self.chunk_size, codec=self.codec,
-                                       level=self.zstd_level, executor=self._pool)
+                                       level=self.zstd_level, executor=pool)
             t_blobs = time.perf_counter()
             manifest = Manifest(step=step, rank=self.rank, world_size=self.world_size, stateful=stateful,
                                 nodes=self._manifest_nodes(nodes, specs, refs))
@@ -654,6 +659,7 @@ class Store:
         finally:
             self._closed = True
             self._bg.shutdown(wait=True)
+            self._bg_pool.shutdown(wait=True)
             self._pool.shutdown(wait=True)
             self._staging.clear()
             self.storage.close()

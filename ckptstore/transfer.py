@@ -11,7 +11,6 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Set, Tuple
 
@@ -23,6 +22,7 @@ from .errors import CorruptCheckpointError, UploadError
 from .layout import blob_path, commit_path, manifest_path
 from .manifest import Commit, Manifest
 from .retry import RetryPolicy
+from .threads import background_pool
 
 log = logging.getLogger("ckptstore")
 STREAM_THRESHOLD = 16 << 20      # blobs above this are uploaded from their file (multipart, bounded memory)
@@ -64,9 +64,9 @@ class StepCopier:
         self.retry = retry or RetryPolicy()
         self.known_dst: Set[str] = set()
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptstore-xfer")
+        self._pool = background_pool(workers, "ckptstore-xfer")
         self._disturbed = False          # a call needed a retry: the destination may have lost state
-        self._calls = ThreadPoolExecutor(max_workers=4 * workers, thread_name_prefix="ckptstore-call")
+        self._calls = background_pool(4 * workers, "ckptstore-call")
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -144,27 +144,28 @@ class StepCopier:
                 for c in entry.chunks:
                     blobs[c.blob_id] = c
         stats = TransferStats(step=step, blobs_total=len(blobs))
-        self._disturbed = False
         for _ in range(10):
+            self._disturbed = False
             self._copy_blobs(step, blobs, stats)
             self.dst.sync({blob_path(b, c.codec).rsplit("/", 1)[0] for b, c in blobs.items()})
             for rank, data, _ in manifests:
                 path = manifest_path(step, rank)
                 self._call(lambda p=path, d=data: self.dst.write_atomic(p, d), f"write {path}")
             if not self._disturbed:
-                break
+                self._call(lambda: self.dst.write_atomic(commit_path(step), commit_bytes),
+                           f"write commit of step {step}")
+                if not self._disturbed:
+                    break
             # A call failed and was retried (outage, timeout): the destination may have lost or never stored
-            # what we believe it holds. Forget what we know of this step's blobs and check each again before
-            # the commit marker makes the step visible.
+            # what we believe it holds. Forget what we know of this step's blobs and check each again; the
+            # commit marker is (re)written only after a pass without errors.
             log.warning("step %d: transient errors during upload; re-checking its %d blobs on %s", step,
                         len(blobs), self.dst.url)
-            self._disturbed = False
             self.dst.refresh()
             with self._lock:
                 self.known_dst.difference_update(blobs)
         else:
             raise UploadError(f"step {step}: the destination kept failing while its blobs were checked")
-        self._call(lambda: self.dst.write_atomic(commit_path(step), commit_bytes), f"write commit of step {step}")
         stats.seconds = time.perf_counter() - t0
         return stats
 

@@ -27,6 +27,7 @@ from .catalog import Catalog
 from .errors import UploadError
 from .pointers import advance_latest, read_latest
 from .retry import RetryPolicy
+from .threads import lower_priority
 from .transfer import StepCopier, TransferStats
 
 log = logging.getLogger("ckptstore")
@@ -118,6 +119,7 @@ class Uploader:
             log.info("uploads pending from %s to %s: steps %s", self.local.url, self.remote.url, self._queue)
 
     def _run(self) -> None:
+        lower_priority()
         while True:
             with self._cond:
                 while not self._closing and (self._error is not None or (self._derived and not self._queue)):
