@@ -1,0 +1,455 @@
+"""Shared helpers for the by-hand benchmarks in this folder.
+
+Nothing here imports ckptstore: the benchmarks must run (printing "n/a") while
+the package is still being written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import mmap
+import os
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+ALIGN = 4096  # O_DIRECT alignment used for buffer address, file offset and length
+
+# --------------------------------------------------------------------------- model
+
+# total state = 12 bytes/param (fp32 weights + AdamW exp_avg + exp_avg_sq) + a few scalars
+SIZES: dict[str, dict[str, int]] = {
+    #            width      depth      vocab          heads        ~params  ~state
+    "small": dict(d_model=512, n_layers=4, vocab=8192, n_heads=8),    # 21 M   0.25 GB
+    "1gb": dict(d_model=768, n_layers=8, vocab=16384, n_heads=12),    # 82 M   0.98 GB
+    "3gb": dict(d_model=1024, n_layers=16, vocab=24576, n_heads=16),  # 252 M  3.03 GB
+}
+CONTEXT = 256
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, n_heads: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.fc2(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """GPT-2-style decoder (untied head so every parameter has its own storage)."""
+
+    def __init__(self, d_model: int, n_layers: int, vocab: int, n_heads: int):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d_model)
+        self.wpe = nn.Embedding(CONTEXT, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))
+
+
+def build_state(size: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Deterministic model + AdamW after exactly one optimizer step."""
+    cfg = SIZES[size]
+    torch.manual_seed(seed)
+    model = GPT(**cfg)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=3e-4, betas=(0.9, 0.95),
+    )
+    g = torch.Generator().manual_seed(seed + 1)
+    idx = torch.randint(0, cfg["vocab"], (2, 32), generator=g)
+    logits = model(idx[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    del logits, loss
+    gc.collect()
+    return model, opt
+
+
+def state_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor of the training state, in a fixed order (re-collect after a load:
+    optimizer.load_state_dict may replace the state tensors)."""
+    out = [t.detach() for t in model.state_dict().values()]
+    for p in (p for g in opt.param_groups for p in g["params"]):
+        for k in sorted(opt.state.get(p, {})):
+            v = opt.state[p][k]
+            if torch.is_tensor(v):
+                out.append(v.detach())
+    return out
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def crc(t: torch.Tensor) -> int:
+    b = as_bytes(t)  # no numpy needed: wrap the tensor memory with ctypes
+    return zlib.crc32((ctypes.c_char * b.numel()).from_address(b.data_ptr())) if b.numel() else 0
+
+
+def fingerprint(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
+    """Order-independent fingerprint: sorted (nbytes, crc32) of tensors with >1 element
+    (0-dim AdamW `step` counters are skipped: containers store them differently)."""
+    return sorted((nbytes(t), crc(t)) for t in tensors if t.numel() > 1)
+
+
+def tree_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tree_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tree_tensors(v)
+
+
+@contextlib.contextmanager
+def perturbed(tensors: list[torch.Tensor]) -> Iterator[None]:
+    """Flip one byte of every tensor (so an in-place load must really write it); the bytes
+    are put back on exit if the load did not restore them, so a broken loader cannot
+    corrupt the state that later methods save."""
+    saved = []
+    for t in tensors:
+        b = as_bytes(t)
+        if b.numel() and b.data_ptr() == t.data_ptr():
+            saved.append((b, int(b[0])))
+            b[0] = (int(b[0]) + 1) % 256
+    try:
+        yield
+    finally:
+        for b, v in saved:
+            b[0] = v
+
+
+# --------------------------------------------------------------------------- files
+
+
+def fs_type(path: Path) -> str:
+    best, kind = "", "?"
+    p = str(path.resolve())
+    with open("/proc/mounts") as f:
+        for line in f:
+            parts = line.split()
+            mnt, typ = parts[1], parts[2]
+            if (p == mnt or p.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
+                best, kind = mnt, typ
+    return kind
+
+
+def default_bench_dir() -> Path:
+    """A scratch folder next to the repo (same disk as a real run); /tmp only if it is
+    not tmpfs."""
+    return REPO.parent / "bench_tmp"
+
+
+def fresh_dir(base: Path, prefix: str) -> Path:
+    base.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    for root, dirs, files in os.walk(path):
+        for n in files:
+            fsync_path(Path(root) / n)
+        fsync_path(Path(root))
+
+
+def evict(path: Path) -> None:
+    """Drop a file / folder tree from the page cache without root: fsync then
+    POSIX_FADV_DONTNEED on every file (clean pages are discarded)."""
+    paths = [path] if path.is_file() else [Path(r) / n for r, _, fs in os.walk(path) for n in fs]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def disk_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum((Path(r) / n).stat().st_size for r, _, fs in os.walk(path) for n in fs
+               if not (Path(r) / n).is_symlink())
+
+
+def rmtree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- raw I/O
+
+
+def _round_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    off = 0
+    while off < len(view):
+        off += os.write(fd, view[off:])
+
+
+def raw_write(tensors: list[torch.Tensor], path: Path, block: int = 64 * MiB,
+              direct: bool = True) -> tuple[int, float]:
+    """Concatenate the tensor bytes into a page-aligned 64 MiB staging buffer and write
+    it with O_DIRECT, single thread; pad the last block, ftruncate, fsync.
+    Returns (bytes, seconds spent in write/fsync calls)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+    fd = os.open(path, flags, 0o644)
+    buf = mmap.mmap(-1, block)  # anonymous mmap: page aligned
+    view = memoryview(buf)
+    stage = torch.frombuffer(buf, dtype=torch.uint8)
+    fill = total = 0
+    io_s = 0.0
+    try:
+        for t in tensors:
+            src = as_bytes(t)
+            off, n_src = 0, src.numel()
+            while off < n_src:
+                n = min(block - fill, n_src - off)
+                stage[fill:fill + n].copy_(src[off:off + n])
+                fill += n
+                off += n
+                if fill == block:
+                    t0 = time.perf_counter()
+                    _write_all(fd, view)
+                    io_s += time.perf_counter() - t0
+                    total += fill
+                    fill = 0
+        t0 = time.perf_counter()
+        if fill:
+            padded = _round_up(fill)
+            stage[fill:padded].zero_()
+            _write_all(fd, view[:padded])
+            total += fill
+        os.ftruncate(fd, total)
+        os.fsync(fd)
+        io_s += time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        del stage, view
+        buf.close()
+    return total, io_s
+
+
+def raw_read(templates: list[torch.Tensor], path: Path, block: int = 64 * MiB,
+             direct: bool = True) -> tuple[list[torch.Tensor], float]:
+    """Read the raw file back with O_DIRECT (bypasses the page cache) through the aligned
+    staging buffer into freshly allocated tensors shaped like `templates`.
+    Returns (tensors, seconds spent in read calls)."""
+    out = [torch.empty(t.shape, dtype=t.dtype) for t in templates]
+    dsts = [as_bytes(t) for t in out]
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    buf = mmap.mmap(-1, block)
+    view = memoryview(buf)
+    stage = torch.frombuffer(buf, dtype=torch.uint8)
+    try:
+        file_off = 0
+        avail = pos = 0
+        io_s = 0.0
+        for dst in dsts:
+            off, n_dst = 0, dst.numel()
+            while off < n_dst:
+                if pos == avail:
+                    t0 = time.perf_counter()
+                    avail = os.preadv(fd, [view], file_off)
+                    io_s += time.perf_counter() - t0
+                    if avail <= 0:
+                        raise EOFError(f"{path}: short file at {file_off}")
+                    file_off += avail
+                    pos = 0
+                n = min(avail - pos, n_dst - off)
+                dst[off:off + n].copy_(stage[pos:pos + n])
+                pos += n
+                off += n
+    finally:
+        os.close(fd)
+        del stage, view
+        buf.close()
+    return out, io_s
+
+
+def o_direct_supported(base: Path) -> bool:
+    fd = None
+    p = base / ".odirect_probe"
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        buf = mmap.mmap(-1, ALIGN)
+        os.write(fd, buf)
+        return True
+    except OSError:
+        return False
+    finally:
+        if fd is not None:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            p.unlink()
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def malloc_trim() -> None:
+    """Give free heap memory back to the OS (glibc only)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def reset_peak_rss() -> bool:
+    """Reset the high-water RSS mark (VmHWM, what ru_maxrss reports for this mm); Linux >= 4.0."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """getrusage(RUSAGE_SELF).ru_maxrss in bytes. On Linux it is the mm's high-water mark,
+    which reset_peak_rss() resets (checked: the value drops after a reset). Children are
+    started while the parent holds no big state, so the exec-time carry-over of the
+    parent's maxrss is negligible."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# --------------------------------------------------------------------------- stats / table
+
+
+@dataclass
+class Row:
+    name: str
+    kind: str  # "save" | "load"
+    seconds: list[float] = field(default_factory=list)
+    disk: list[int] = field(default_factory=list)  # bytes on disk after / written by the op
+    peak: list[int] = field(default_factory=list)  # bytes above the post-build RSS
+    note: str = ""
+
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self.seconds) if self.seconds else None
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    return f"{n / MiB:,.0f} MiB" if n >= 10 * MiB or n == 0 else f"{n / MiB:,.2f} MiB"
+
+
+def render_table(rows: list[Row], state_bytes: int, refs: dict[str, tuple[str, str]],
+                 show_peak: bool) -> str:
+    """refs: row name -> (name of its torch baseline row, name of its raw baseline row)."""
+    by_name = {r.name: r for r in rows}
+    head = ["method", "median s", "min-max s", "GB/s", "x torch", "x raw", "on disk"]
+    if show_peak:
+        head.append("peak RSS+")
+    head.append("note")
+    lines = [head]
+    for r in rows:
+        med = r.median
+        t_ref, raw_ref = refs.get(r.name, ("", ""))
+
+        def ratio(ref: str) -> str:
+            rr = by_name.get(ref)
+            if med is None or rr is None or not rr.median:
+                return "n/a"
+            return f"{med / rr.median:.2f}"
+
+        cells = [
+            r.name,
+            f"{med:.3f}" if med is not None else "n/a",
+            f"{min(r.seconds):.3f}-{max(r.seconds):.3f}" if r.seconds else "n/a",
+            f"{state_bytes / med / 1e9:.2f}" if med else "n/a",
+            ratio(t_ref),
+            ratio(raw_ref),
+            fmt_bytes(statistics.median(r.disk)) if r.disk else "",
+        ]
+        if show_peak:
+            cells.append(fmt_bytes(max(r.peak)) if r.peak else "n/a")
+        cells.append(r.note)
+        lines.append(cells)
+    widths = [max(len(str(l[i])) for l in lines) for i in range(len(head))]
+    out = []
+    for i, l in enumerate(lines):
+        out.append("  ".join(str(c).ljust(w) if j in (0, len(l) - 1) else str(c).rjust(w)
+                             for j, (c, w) in enumerate(zip(l, widths))).rstrip())
+        if i == 0:
+            out.append("-" * len(out[0]))
+    return "\n".join(out)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def gb(n: int) -> str:
+    return f"{n / 1e9:.3f} GB"
+
+
+def fmt_note(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    msg = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+    return msg if len(msg) <= 70 else msg[:67] + "..."
+
