@@ -8,7 +8,7 @@ deletion leaves an uncommitted (invisible) directory, never a committed step wit
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 from .blobs import digest_bytes
 from .errors import CorruptCheckpointError

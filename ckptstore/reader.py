@@ -6,7 +6,7 @@ handed out. Chunks are read by a thread pool.
 from __future__ import annotations
 
 from concurrent.futures import Executor
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, List, Optional, Union
 
 import numpy as np
 import torch

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Iterator, List, Optional, Tuple
 
-from .layout import STEPS, check_step
+from .layout import check_step
 
 _STEP_URL = re.compile(r"^(?P<store>.+?)/+steps/+(?P<step>[0-9]{1,12})/*$")
 

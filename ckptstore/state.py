@@ -13,8 +13,8 @@ stores the nodes, the blob layer stores the tensors' bytes.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Tuple
 
 import numpy as np
 import torch

@@ -20,7 +20,7 @@ from .blobs import CODECS, BlobStore
 from .catalog import Catalog
 from .errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from .gc import GCReport, collect
-from .layout import check_step, commit_path, manifest_path
+from .layout import check_step, manifest_path
 from .manifest import Commit, Manifest, ManifestNode, ArrayEntry
 from .pointers import read_latest, write_latest, clear_latest
 from .reader import MapLocation, read_nodes
@@ -29,7 +29,7 @@ from .retention import RetentionPolicy
 from .retry import RetryPolicy
 from .runconfig import differences, normalize
 from .snapshot import ArraySpec, StagingPool, VersionCache, direct_view, spec_of
-from .state import TORCH_DTYPE_NAMES, Node, flatten, is_stateful, path_str, unflatten
+from .state import Node, flatten, is_stateful, unflatten
 from .storage import Storage, is_local, open_storage
 from .threads import background_pool
 from .transfer import StepCopier
@@ -465,7 +465,6 @@ class Store:
         self.wait()
         self.resumed_from = None
         remote_catalog = Catalog(self.remote_storage) if self.remote_storage is not None else None
-        remote_blobs = BlobStore(self.remote_storage, quarantine=False) if remote_catalog is not None else None
         pulled = set()
         try:
             tiers = list(candidates(self.catalog, remote_catalog))

@@ -8,11 +8,10 @@ Used by the uploader (local -> remote) and by pull / resume (remote -> local).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Set, Tuple
+from typing import List, Optional, Set, Tuple
 
 import blake3
 

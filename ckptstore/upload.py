@@ -25,7 +25,7 @@ from typing import Callable, List, Optional
 
 from .catalog import Catalog
 from .errors import UploadError
-from .pointers import advance_latest, read_latest
+from .pointers import advance_latest
 from .retry import RetryPolicy
 from .threads import lower_priority
 from .transfer import StepCopier, TransferStats

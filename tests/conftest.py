@@ -1,6 +1,24 @@
 """Shared fixtures: the loopback S3 (moto) and GCS (fake-gcs-server) servers come from backends/."""
 import os
+import statistics
+
+import pytest
+
+from training import _SAVED, N_REF, Child, read_log
 
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
 pytest_plugins = ["backends.pytest_plugin"]
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """Uninterrupted run of N_REF steps: {step: loss}, and the median save seconds."""
+    d = tmp_path_factory.mktemp("reference")
+    c = Child(d / "store", d / "loss.jsonl", N_REF)
+    c.finish()
+    assert c.resumed_from() is None
+    log = read_log(d / "loss.jsonl")
+    assert sorted(log) == list(range(1, N_REF + 1)) and all(len(v) == 1 for v in log.values())
+    save_s = statistics.median(float(m.group(2)) for m in map(_SAVED.match, c.lines) if m)
+    return {s: v[0] for s, v in log.items()}, save_s

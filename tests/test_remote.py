@@ -1,6 +1,5 @@
 """Remote stores against real servers on 127.0.0.1 (moto S3, fake-gcs-server) and memory://."""
 import json
-import logging
 import os
 import random
 import shutil
@@ -9,7 +8,6 @@ import sys
 import textwrap
 import threading
 import time
-from pathlib import Path
 
 import fsspec
 import pytest
@@ -326,3 +324,28 @@ def test_sigkill_during_uploads_never_exposes_a_half_step(tmp_path, request, kin
     with remote_store(target) as r:
         assert r.steps()[-1] == newest
         assert all(err is None for err in r.verify().values())
+
+
+@pytest.mark.parametrize("kind", ["s3", "gcs"])
+def test_training_resumes_from_remote_after_local_disk_is_lost(tmp_path, request, kind, reference):
+    """A real training run uploads as it goes; it is SIGKILLed, its local root deleted (the node is gone),
+    and the restarted run resumes from the remote with losses bit-identical to an uninterrupted run."""
+    from training import _SAVED, N_REF, Child, check_against_reference, read_log
+    target = request.getfixturevalue(f"{kind}_bucket_url")
+    ref, _ = reference
+    store, log = tmp_path / "store", tmp_path / "loss.jsonl"
+    extra = ["--remote", target.url, "--storage-options", json.dumps(target.storage_options)]
+    first = Child(store, log, N_REF, *extra)
+    first.wait_line(_SAVED, nth=8)                        # step 40 committed locally
+    time.sleep(1.0)                                       # its upload runs in the background
+    first.kill()
+    with remote_store(target) as r:
+        uploaded = r.steps()
+    assert uploaded, f"nothing reached the remote:\n{first.output()}"
+    shutil.rmtree(store)
+    second = Child(store, log, N_REF, *extra)
+    second.finish()
+    assert second.resumed_from() == uploaded[-1], second.output()
+    check_against_reference(read_log(log), ref, N_REF)
+    with remote_store(target) as r:                       # close() waited for the final uploads
+        assert r.steps()[-1] == N_REF and r.verify(N_REF) == {N_REF: None}

@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import fsspec
 
-from .base import Buffer, Storage, content_token  # noqa: F401
+from .base import Buffer, Storage
 
 
 def _redact(url: str) -> str:
