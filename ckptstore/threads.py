@@ -16,13 +16,17 @@ BACKGROUND_NICE = int(os.environ.get("CKPTSTORE_BACKGROUND_NICE", "10"))
 
 
 def lower_priority(nice: int = None) -> None:
-    """Lower the calling thread's scheduling priority by ``nice`` (best effort; Linux only)."""
+    """Set the calling thread's niceness to at least ``nice`` (best effort; Linux only).
+
+    An absolute level, not an increment: threads started by already-niced threads inherit their niceness, and
+    must not end up lower still."""
     nice = BACKGROUND_NICE if nice is None else nice
     if nice <= 0 or not hasattr(os, "setpriority"):
         return
     try:
         tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, nice))
     except (OSError, AttributeError):
         pass
 

@@ -104,12 +104,21 @@ class StepCopier:
         return present
 
     def _copy_blob(self, step: int, blob_id: str, codec: str, nbytes: int) -> int:
-        """Copy one blob if ``dst`` lacks it, verifying its bytes first. Returns bytes sent (0 if present)."""
-        if self._dst_has(blob_id, codec):
-            return 0
+        """Copy one blob if ``dst`` lacks it, verifying its bytes first. Returns bytes sent (0 if present).
+
+        Small blobs on a destination with create-only writes are not looked up first: the write itself is
+        conditional (S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``), so a present blob costs one request
+        and a resend of at most ``STREAM_THRESHOLD`` bytes, and an absent one (the common case) one request
+        instead of two. Large blobs are looked up (one HEAD) before their bytes are sent."""
+        with self._lock:
+            if blob_id in self.known_dst:
+                return 0
         path = blob_path(blob_id, codec)
         local = self.src.local_path(path)
-        if local is not None and codec == "raw" and nbytes > STREAM_THRESHOLD:
+        streamed = local is not None and codec == "raw" and nbytes > STREAM_THRESHOLD
+        if (streamed or not self.dst.conditional_writes) and self._dst_has(blob_id, codec):
+            return 0
+        if streamed:
             try:
                 digest, size = _file_digest(local)
             except FileNotFoundError:
@@ -126,8 +135,8 @@ class StepCopier:
             raw = payload if codec == "raw" else decompress(payload, nbytes)
             if len(raw) != nbytes or digest_bytes(raw) != blob_id:
                 raise CorruptCheckpointError("blob content does not match its hash", step=step, blob=blob_id)
-            self._call(lambda: self.dst.write_new(path, payload), f"write blob {blob_id}")
-            sent = len(payload)
+            wrote = self._call(lambda: self.dst.write_new(path, payload), f"write blob {blob_id}")
+            sent = len(payload) if wrote else 0
         with self._lock:
             self.known_dst.add(blob_id)
         return sent

@@ -46,8 +46,17 @@ class FsspecStorage(Storage):
         return self.fs.cat_file(self._p(path))
 
     def size(self, path: str) -> Optional[int]:
+        """One metadata request: S3 HeadObject / GCS object GET (``fs.info`` would also LIST the key as a
+        "directory" when it is missing, doubling the cost of every miss)."""
+        full = self._p(path)
         try:
-            return int(self.fs.info(self._p(path))["size"])
+            if self._protocol in ("s3", "s3a"):
+                bucket, key, _ = self.fs.split_path(full)
+                return int(self.fs.call_s3("head_object", Bucket=bucket, Key=key)["ContentLength"])
+            if self._protocol in ("gs", "gcs"):
+                bucket, key, _ = self.fs.split_path(full)
+                return int(self.fs.call("GET", "b/{}/o/{}", bucket, key, json_out=True)["size"])
+            return int(self.fs.info(full)["size"])
         except FileNotFoundError:
             return None
 
