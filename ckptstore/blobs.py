@@ -75,9 +75,14 @@ class BlobStore:
         Returns ``(codec actually stored, bytes written)``; bytes written is 0 when the blob was present.
         With ``codec="zstd"`` the blob is stored raw when compression saves less than 3%.
         """
+        seen = blob_id in self._known
         present = self.locate(blob_id)
         if present is not None:
-            return present, 0
+            # A blob first seen on disk (not written or checked by this process) must at least have the right
+            # length: after a power loss, a file linked before its bytes were durable may be short or empty.
+            if seen or present != "raw" or self.storage.size(blob_path(blob_id, "raw")) == len(data):
+                return present, 0
+            self._quarantine(blob_id, present)
         payload = data
         if codec == "zstd" and len(data):
             packed = compress(data, level)

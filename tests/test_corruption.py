@@ -182,3 +182,16 @@ def test_no_pickle_anywhere(two_steps, monkeypatch):
     for f in root.rglob("*"):
         if f.is_file():
             assert not f.read_bytes().startswith(b"\x80"), f"{f} looks like a pickle"
+
+
+def test_short_blob_on_disk_is_not_deduplicated_against(tmp_path):
+    """A blob file of the wrong length (e.g. left by a power loss) is replaced, not reused, by a new save."""
+    w = torch.arange(100_000, dtype=torch.float32)
+    with Store(tmp_path) as s:
+        s.save({"w": w}, 1)
+        bad = blobs_of_key(s, 1, ("w",))[0]
+    bad.write_bytes(b"")
+    with Store(tmp_path) as s:                      # a new process: the blob is not known yet
+        r = s.save({"w": w}, 2)
+        assert r.blobs_new == 1 and r.bytes_written == w.numel() * 4
+        assert torch.equal(s.load(2)["w"], w)

@@ -57,7 +57,8 @@ class Storage(ABC):
 
     @abstractmethod
     def write_new(self, path: str, data: Buffer) -> bool:
-        """Create ``path`` with ``data`` if it does not exist; return False (writing nothing) if it does."""
+        """Create ``path`` with ``data`` if it does not exist; return False (writing nothing) if it does.
+        Atomic; durable once :meth:`sync` returns (object stores: at once)."""
 
     @abstractmethod
     def listdir(self, path: str) -> List[str]:
@@ -115,7 +116,8 @@ class Storage(ABC):
         return None
 
     def sync(self, dirs) -> None:
-        """Make the given directories' entries durable (local fsync of directories); no-op elsewhere."""
+        """Make durable what :meth:`write_new` created, and the entries of ``dirs`` (local disk); no-op where
+        every write is durable when it returns (object stores)."""
 
     def refresh(self) -> None:
         """Forget any cached listings / metadata (after an outage the backend may have changed)."""
