@@ -7,6 +7,7 @@ Data flows one way: state -> flatten (:mod:`.state`) -> byte views (:mod:`.snaps
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 import threading
@@ -230,6 +231,24 @@ class Store:
         t0 = time.perf_counter()
         check_step(step)
         metrics = normalize(metrics or {}, "metrics")
+        gc_was_enabled = gc.isenabled()
+        gc.disable()              # the snapshot is short and allocation-heavy: no heap-wide GC pass mid-stall
+        try:
+            nodes, stateful, specs = self._snapshot(state, blocking)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        t_snap = time.perf_counter()
+        job = functools.partial(self._write_and_commit, step, nodes, stateful, specs, metrics, t0,
+                                None if blocking else t_snap - t0, self._pool if blocking else self._bg_pool)
+        if blocking:
+            return job()
+        handle = SaveHandle(step, self._bg.submit(job), stall_seconds=t_snap - t0)
+        self._inflight = handle
+        return handle
+
+    def _snapshot(self, state, blocking: bool):
+        """Flatten ``state`` and give every array a stable byte view (see :mod:`ckptstore.snapshot`)."""
         nodes, stateful = flatten(state)
         specs, to_copy = [], []
         for node in nodes:
@@ -246,14 +265,7 @@ class Store:
                     to_copy.append((spec, node))
         if not blocking:
             self._staging.stage(to_copy, live_paths=[s.path for s in specs])
-        t_snap = time.perf_counter()
-        job = functools.partial(self._write_and_commit, step, nodes, stateful, specs, metrics, t0,
-                                None if blocking else t_snap - t0, self._pool if blocking else self._bg_pool)
-        if blocking:
-            return job()
-        handle = SaveHandle(step, self._bg.submit(job), stall_seconds=t_snap - t0)
-        self._inflight = handle
-        return handle
+        return nodes, stateful, specs
 
     def _write_and_commit(self, step, nodes, stateful, specs, metrics, t0, stall, pool) -> SaveResult:
         t_start = time.perf_counter()
