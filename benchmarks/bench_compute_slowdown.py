@@ -11,7 +11,9 @@ save call (the stall) is part of the window, as it would be in training.
 Modes (--modes): ckptstore_nb (Store.save(..., blocking=False), shown as n/a until the
 API has it), dcp_async (torch.distributed.checkpoint.async_save), and two blocking
 references: torch_save (torch.save+fsync) and ckptstore (Store.save blocking).
-Every save goes to a fresh folder / fresh store, so no save is cheaper thanks to dedup.
+Every save goes to a fresh folder / fresh store, so no save is cheaper thanks to dedup; except mode
+ckptstore_nb_reused, which keeps one store for the run as training does (staging buffers reused) and
+changes every tensor before each save so all bytes are written again.
 """
 
 from __future__ import annotations
@@ -144,8 +146,29 @@ class CkptstoreNonBlocking(_StoreMode):
         return self._track(h, store)
 
 
+class CkptstoreNonBlockingReused(CkptstoreNonBlocking):
+    """What a training loop does: one Store for the whole run (staging buffers allocated once), and every
+    tensor changed before each save (one element each, so every tensor's bytes are written again)."""
+    name = "ckptstore blocking=False, one store"
+
+    def start(self, folder: Path) -> Any:
+        if getattr(self, "_store", None) is None:
+            from ckptstore import Store
+            self._store = Store(str(folder.parent / "slow_reused_store"), keep_last=2)
+            self._step = 0
+        with torch.no_grad():
+            for t in C.state_tensors(self.model, self.opt):
+                t.view(-1)[:1].add_(1.0)
+        self._step += 1
+        return self._store.save({"model": self.model, "optimizer": self.opt}, self._step, blocking=False)
+
+    def finish(self, handle: Any) -> None:
+        handle.result()
+
+
 MODES: dict[str, type[Mode]] = {
     "ckptstore_nb": CkptstoreNonBlocking,
+    "ckptstore_nb_reused": CkptstoreNonBlockingReused,
     "dcp_async": DcpAsync,
     "torch_save": TorchSave,
     "ckptstore": CkptstoreBlocking,
