@@ -1,5 +1,6 @@
 """Remote stores against real servers on 127.0.0.1 (moto S3, fake-gcs-server) and memory://."""
 import json
+import logging
 import os
 import random
 import shutil
@@ -349,3 +350,41 @@ def test_training_resumes_from_remote_after_local_disk_is_lost(tmp_path, request
     check_against_reference(read_log(log), ref, N_REF)
     with remote_store(target) as r:                       # close() waited for the final uploads
         assert r.steps()[-1] == N_REF and r.verify(N_REF) == {N_REF: None}
+
+
+def test_keep_local_removes_uploaded_steps_only(tmp_path, s3_bucket_url):
+    local = tmp_path / "run"
+    with Store(local, remote=s3_bucket_url.url, storage_options=s3_bucket_url.storage_options, keep_local=1) as s:
+        for step in (1, 2, 3):
+            s.save(state_at(step), step)
+        s.wait_for_uploads()
+        assert s.steps() == [3]                           # older local steps went once uploaded
+        blobs = [p for p in (local / "objects").rglob("*") if p.is_file()]
+        assert len(blobs) == 1                            # and their blobs were collected
+    with remote_store(s3_bucket_url) as r:
+        assert r.steps() == [1, 2, 3]
+
+
+def test_credentials_never_reach_files_logs_or_errors(tmp_path, s3_bucket_url, s3_server, caplog):
+    require_restart(s3_server)
+    opts = dict(s3_bucket_url.storage_options, secret="TOPSECRET-do-not-log-4242")
+    url_with_key = s3_bucket_url.url
+    with caplog.at_level(logging.DEBUG, logger="ckptstore"):
+        s = Store(tmp_path / "run", remote=url_with_key, storage_options=opts, config={"lr": 0.1},
+                  upload_retry=RetryPolicy(deadline=2, op_timeout=1, backoff=0.05, max_backoff=0.1))
+        s.save(state_at(1), 1)
+        s3_server.stop()
+        try:
+            s.save(state_at(2), 2)
+            with pytest.raises(UploadError) as ei:
+                s.wait_for_uploads(timeout=60)
+        finally:
+            s3_server.start()
+        try:
+            s.close()
+        except UploadError:
+            pass
+    assert "TOPSECRET" not in str(ei.value) and "TOPSECRET" not in caplog.text
+    for f in (tmp_path / "run").rglob("*"):
+        if f.is_file():
+            assert b"TOPSECRET" not in f.read_bytes(), f
