@@ -12,7 +12,7 @@ from typing import List, Tuple
 
 from .blobs import digest_bytes
 from .errors import CorruptCheckpointError
-from .layout import STEPS, commit_path, manifest_path, parse_manifest_name, parse_step_dir, step_dir
+from .layout import STEPS, commit_path, manifest_path, parse_step_dir, step_dir
 from .manifest import Commit, Manifest, decode_commit, decode_manifest, encode_commit, encode_manifest
 
 log = logging.getLogger("ckptstore")
@@ -33,10 +33,6 @@ class Catalog:
     def committed_steps(self) -> List[int]:
         """Steps that have a commit marker, ascending (their contents are not verified here)."""
         return [s for s in self.step_dirs() if self.is_committed(s)]
-
-    def manifest_ranks(self, step: int) -> List[int]:
-        return sorted(r for r in (parse_manifest_name(n) for n in self.storage.listdir(step_dir(step)))
-                      if r is not None)
 
     # -- reading ------------------------------------------------------------------------------------------
     def read_commit(self, step: int) -> Commit:
