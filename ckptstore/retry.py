@@ -10,29 +10,33 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import random
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar
 
-from .errors import UploadError
+from .errors import CheckpointError, UploadError
 
 log = logging.getLogger("ckptstore")
 T = TypeVar("T")
 
-_TRANSIENT_WORDS = ("timeout", "timed out", "throttl", "slowdown", "slow down", "too many requests", "503",
-                    "500", "502", "504", "429", "connection", "reset by peer", "broken pipe", "temporarily",
-                    "serviceunavailable", "internalerror", "requesttimeout", "cannot connect", "server disconnected",
-                    "endpoint", "eof")
+_TRANSIENT_WORDS = ("timeout", "timed out", "throttl", "slowdown", "slow down", "too many requests",
+                    "connection", "reset by peer", "broken pipe", "temporarily", "serviceunavailable",
+                    "internalerror", "requesttimeout", "cannot connect", "server disconnected", "endpoint", "eof")
+# HTTP statuses worth a retry, as whole numbers only: blob ids (hex) and step numbers contain "500" or "429"
+_TRANSIENT_STATUS = re.compile(r"(?<![0-9a-f])(429|500|502|503|504)(?![0-9a-f])")
 
 
 def is_transient(e: BaseException) -> bool:
-    if isinstance(e, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError, NotADirectoryError,
-                      ValueError, TypeError, KeyError)):
+    """Whether a failed call is worth retrying. Damage found in a checkpoint never is."""
+    if isinstance(e, (CheckpointError, FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError,
+                      NotADirectoryError, ValueError, TypeError, KeyError)):
         return False
     if isinstance(e, (ConnectionError, TimeoutError, concurrent.futures.TimeoutError)):
         return True
     text = f"{type(e).__name__}: {e}".lower()
-    return any(w in text for w in _TRANSIENT_WORDS) or isinstance(e, OSError)
+    return (any(w in text for w in _TRANSIENT_WORDS) or _TRANSIENT_STATUS.search(text) is not None
+            or isinstance(e, OSError))
 
 
 @dataclass(frozen=True)
