@@ -37,15 +37,24 @@ class Catalog:
     # -- reading ------------------------------------------------------------------------------------------
     def read_commit(self, step: int) -> Commit:
         """Raises ``CorruptCheckpointError`` when the marker is missing, truncated or invalid."""
+        return self.read_commit_bytes(step)[1]
+
+    def read_commit_bytes(self, step: int) -> Tuple[bytes, Commit]:
+        """The commit marker's bytes (to copy them verbatim) and its decoded, validated contents."""
         path = commit_path(step)
         try:
             data = self.storage.read_bytes(path)
         except FileNotFoundError:
             raise CorruptCheckpointError("commit marker missing", step=step, blob=path) from None
-        return decode_commit(data, step=step, what=path)
+        return data, decode_commit(data, step=step, what=path)
 
     def read_manifest(self, commit: Commit, rank: int) -> Manifest:
         """Read one rank's manifest and check it against the digest its commit marker recorded."""
+        return self.read_manifest_bytes(commit, rank)[1]
+
+    def read_manifest_bytes(self, commit: Commit, rank: int) -> Tuple[bytes, Manifest]:
+        """The manifest's bytes (to copy them verbatim) and its decoded contents, checked against the digest
+        and size its commit marker recorded. Raises ``CorruptCheckpointError``."""
         path = manifest_path(commit.step, rank)
         if rank not in commit.manifests:
             raise CorruptCheckpointError(f"commit marker names no manifest for rank {rank}", step=commit.step,
@@ -58,7 +67,7 @@ class Catalog:
         if len(data) != want_size or digest_bytes(data) != want_digest.hex():
             raise CorruptCheckpointError(f"manifest does not match its commit marker ({len(data)} bytes, "
                                          f"expected {want_size})", step=commit.step, blob=path)
-        return decode_manifest(data, step=commit.step, rank=rank, what=path)
+        return data, decode_manifest(data, step=commit.step, rank=rank, what=path)
 
     def manifest_digest(self, step: int, rank: int) -> Tuple[bytes, int]:
         data = self.storage.read_bytes(manifest_path(step, rank))

@@ -71,7 +71,8 @@ class StepCopier:
         self._pool.shutdown(wait=True)
         self._calls.shutdown(wait=False)
 
-    def _call(self, fn, what):
+    def call(self, fn, what):
+        """Run ``fn`` under the retry policy; a retry marks the step being copied as disturbed."""
         return self.retry.call(fn, what, executor=self._calls, on_retry=self._note_retry)
 
     def _note_retry(self, e: BaseException) -> None:
@@ -80,24 +81,20 @@ class StepCopier:
     # -- reading the source step ----------------------------------------------------------------------------
     def read_step(self, step: int) -> Tuple[bytes, Commit, List[Tuple[int, bytes, Manifest]]]:
         """The source step's commit marker (bytes and decoded) and manifests, verified against each other."""
-        commit_bytes = self._call(lambda: self.src.read_bytes(commit_path(step)), f"read commit of step {step}")
-        from .manifest import decode_commit, decode_manifest
-        commit = decode_commit(commit_bytes, step=step, what=f"{self.src.url}/{commit_path(step)}")
+        commit_bytes, commit = self.call(lambda: self.src_catalog.read_commit_bytes(step),
+                                         f"read commit of step {step}")
         manifests = []
-        for rank, (want, size) in sorted(commit.manifests.items()):
-            path = manifest_path(step, rank)
-            data = self._call(lambda p=path: self.src.read_bytes(p), f"read {path}")
-            if len(data) != size or digest_bytes(data) != want.hex():
-                raise CorruptCheckpointError("manifest does not match its commit marker", step=step,
-                                             blob=f"{self.src.url}/{path}")
-            manifests.append((rank, data, decode_manifest(data, step=step, rank=rank, what=path)))
+        for rank in sorted(commit.manifests):
+            data, manifest = self.call(lambda r=rank: self.src_catalog.read_manifest_bytes(commit, r),
+                                       f"read manifest of step {step} rank {rank}")
+            manifests.append((rank, data, manifest))
         return commit_bytes, commit, manifests
 
     # -- blobs --------------------------------------------------------------------------------------------------
     def _dst_has(self, blob_id: str, codec: str) -> bool:
         if blob_id in self.known_dst:
             return True
-        present = self._call(lambda: self.dst.exists(blob_path(blob_id, codec)), f"look up blob {blob_id}")
+        present = self.call(lambda: self.dst.exists(blob_path(blob_id, codec)), f"look up blob {blob_id}")
         if present:
             with self._lock:
                 self.known_dst.add(blob_id)
@@ -125,17 +122,17 @@ class StepCopier:
                 raise CorruptCheckpointError("blob missing", step=step, blob=blob_id) from None
             if digest != blob_id or size != nbytes:
                 raise CorruptCheckpointError("blob content does not match its hash", step=step, blob=blob_id)
-            self._call(lambda: self.dst.put_file(path, local), f"upload blob {blob_id} ({nbytes} bytes)")
+            self.call(lambda: self.dst.put_file(path, local), f"upload blob {blob_id} ({nbytes} bytes)")
             sent = size
         else:
             try:
-                payload = self._call(lambda: self.src.read_bytes(path), f"read blob {blob_id}")
+                payload = self.call(lambda: self.src.read_bytes(path), f"read blob {blob_id}")
             except FileNotFoundError:
                 raise CorruptCheckpointError("blob missing", step=step, blob=blob_id) from None
             raw = payload if codec == "raw" else decompress(payload, nbytes)
             if len(raw) != nbytes or digest_bytes(raw) != blob_id:
                 raise CorruptCheckpointError("blob content does not match its hash", step=step, blob=blob_id)
-            wrote = self._call(lambda: self.dst.write_new(path, payload), f"write blob {blob_id}")
+            wrote = self.call(lambda: self.dst.write_new(path, payload), f"write blob {blob_id}")
             sent = len(payload) if wrote else 0
         with self._lock:
             self.known_dst.add(blob_id)
@@ -158,9 +155,9 @@ class StepCopier:
             self.dst.sync({blob_path(b, c.codec).rsplit("/", 1)[0] for b, c in blobs.items()})
             for rank, data, _ in manifests:
                 path = manifest_path(step, rank)
-                self._call(lambda p=path, d=data: self.dst.write_atomic(p, d), f"write {path}")
+                self.call(lambda p=path, d=data: self.dst.write_atomic(p, d), f"write {path}")
             if not self._disturbed:
-                self._call(lambda: self.dst.write_atomic(commit_path(step), commit_bytes),
+                self.call(lambda: self.dst.write_atomic(commit_path(step), commit_bytes),
                            f"write commit of step {step}")
                 if not self._disturbed:
                     break

@@ -102,7 +102,7 @@ class Uploader:
     # -- the thread -----------------------------------------------------------------------------------------
     def _derive(self) -> None:
         """Pending steps = local committed steps newer than the remote's newest committed step."""
-        remote_steps = self.copier._call(lambda: Catalog(self.remote).committed_steps(), "list remote steps")
+        remote_steps = self.copier.call(lambda: Catalog(self.remote).committed_steps(), "list remote steps")
         newest_remote = remote_steps[-1] if remote_steps else None
         if newest_remote is not None:
             self.copier.remember_dst_step(newest_remote)
@@ -142,7 +142,7 @@ class Uploader:
                     log.info("step %d is no longer committed locally; not uploading it", step)
                 else:
                     stats = self.copier.copy_step(step)
-                    self.copier._call(lambda: advance_latest(self.remote, step), f"advance remote latest to {step}")
+                    self.copier.call(lambda: advance_latest(self.remote, step), f"advance remote latest to {step}")
                     self.uploaded.append(stats)
                     log.info("uploaded step %d: %d/%d blobs, %d bytes in %.2f s", step, stats.blobs_copied,
                              stats.blobs_total, stats.bytes_copied, stats.seconds)
