@@ -330,13 +330,26 @@ class Store:
         if self.rank != 0 or not self.catalog.is_committed(step):
             return
         log.warning("step %d is already committed in %s: replacing it", step, self.root)
-        if read_latest(self.storage) == step:
-            older = [s for s in self.catalog.committed_steps() if s != step]
-            if older:
-                write_latest(self.storage, older[-1])
-            else:
-                clear_latest(self.storage)
+        self._point_away_from(step)
         self.catalog.uncommit(step)
+
+    def _point_away_from(self, step: int) -> None:
+        """Before ``step`` stops being committed: if the local latest pointer names it, move the pointer to the
+        newest other committed step (or remove it), so it never names an uncommitted step."""
+        if read_latest(self.storage) != step:
+            return
+        older = [s for s in self.catalog.committed_steps() if s != step]
+        if older:
+            write_latest(self.storage, older[-1])
+        else:
+            clear_latest(self.storage)
+
+    def _point_to_if_newest(self, step: int) -> None:
+        """After ``step`` is committed locally: move the local latest pointer to it unless it already names a
+        newer committed step."""
+        latest = read_latest(self.storage)
+        if latest is None or latest <= step or not self.catalog.is_committed(latest):
+            write_latest(self.storage, step)
 
     def _commit(self, step: int, own_digest, bytes_total: int, metrics) -> bool:
         """Rank 0 writes the commit marker once all ranks' manifests exist, then moves the latest pointer."""
@@ -359,9 +372,7 @@ class Store:
         self.catalog.write_commit(Commit(step=step, world_size=self.world_size, manifests=manifests,
                                          created=time.time(), bytes_total=bytes_total, metrics=dict(metrics),
                                          config=self.config, writer=f"ckptstore {__version__}"))
-        latest = read_latest(self.storage)
-        if latest is None or latest <= step or not self.catalog.is_committed(latest):
-            write_latest(self.storage, step)
+        self._point_to_if_newest(step)
         if dist is not None:
             dist.barrier()
         return True
@@ -604,9 +615,7 @@ class Store:
         try:
             with self._maint:
                 stats = copier.copy_step(step)
-                latest = read_latest(self.storage)
-                if latest is None or latest < step or not self.catalog.is_committed(latest):
-                    write_latest(self.storage, step)
+                self._point_to_if_newest(step)
         finally:
             copier.close()
         log.info("pulled step %d from %s: %d blobs, %d bytes in %.2f s", step, self.remote_storage.url,
@@ -644,9 +653,7 @@ class Store:
         """Remove a committed step (commit marker first). Its blobs are freed by the next :meth:`gc`."""
         self._check_open()
         check_step(step)
-        if read_latest(self.storage) == step:
-            older = [s for s in self.catalog.committed_steps() if s != step]
-            write_latest(self.storage, older[-1]) if older else clear_latest(self.storage)
+        self._point_away_from(step)
         self.catalog.delete_step(step)
 
     # -- lifecycle ----------------------------------------------------------------------------------------
