@@ -433,17 +433,20 @@ class Store:
         """The commit marker of ``step`` (metrics, config, sizes). Raises ``CorruptCheckpointError``."""
         return self.catalog.read_commit(step)
 
-    def _read(self, step: int, *, map_location: MapLocation, rank: Optional[int] = None, select=None):
+    def _world_size_error(self, commit: Commit) -> IncompatibleCheckpointError:
+        return IncompatibleCheckpointError(
+            f"checkpoint was written by world_size={commit.world_size}, this run has "
+            f"world_size={self.world_size} (resharding is not supported yet)", step=commit.step)
+
+    def _read(self, step: int, *, map_location: MapLocation, rank: Optional[int] = None) -> Dict[str, Any]:
+        """One rank's part of a committed step as a nested dict. A single-process store may read any rank's
+        part (inspection); a rank of a run reads its own part only if the world size matches."""
         commit = self.catalog.read_commit(step)
         rank = self.rank if rank is None else rank
         if commit.world_size != self.world_size and rank == self.rank and self.world_size != 1:
-            raise IncompatibleCheckpointError(
-                f"checkpoint was written by world_size={commit.world_size}, this run has "
-                f"world_size={self.world_size} (resharding is not supported yet)", step=step)
+            raise self._world_size_error(commit)
         manifest = self.catalog.read_manifest(commit, rank)
-        nodes = read_nodes(self.blobs, manifest, executor=self._pool, map_location=map_location,
-                           select=select)
-        return commit, manifest, nodes
+        return unflatten(read_nodes(self.blobs, manifest, executor=self._pool, map_location=map_location))
 
     def load(self, step: Optional[int] = None, map_location: MapLocation = "cpu", *,
              rank: Optional[int] = None) -> Dict[str, Any]:
@@ -459,10 +462,10 @@ class Store:
             check_step(step)
             if not self.catalog.is_committed(step):
                 raise FileNotFoundError(f"step {step} is not committed in {self.root}")
-            return unflatten(self._read(step, map_location=map_location, rank=rank)[2])
+            return self._read(step, map_location=map_location, rank=rank)
         for s in reversed(self.catalog.committed_steps()):
             try:
-                return unflatten(self._read(s, map_location=map_location, rank=rank)[2])
+                return self._read(s, map_location=map_location, rank=rank)
             except CorruptCheckpointError as e:
                 log.warning("step %d is corrupt, trying an older one: %s", s, e)
         raise FileNotFoundError(f"no valid committed step in {self.root}")
@@ -538,9 +541,7 @@ class Store:
                 raise IncompatibleCheckpointError("run config differs from the checkpoint's", step=step,
                                                   differing=diffs)
         if commit.world_size != self.world_size:
-            raise IncompatibleCheckpointError(
-                f"checkpoint was written by world_size={commit.world_size}, this run has "
-                f"world_size={self.world_size} (resharding is not supported yet)", step=step)
+            raise self._world_size_error(commit)
         manifest = catalog.read_manifest(commit, self.rank)
         saved_keys = {n.path[0] for n in manifest.nodes if len(n.path) == 1}
         if components is not None:
