@@ -80,7 +80,7 @@ import urllib.request  # noqa: E402
 import uuid  # noqa: E402
 import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, Iterator  # noqa: E402
 
 __all__ = [
     "LOOPBACK",
@@ -249,21 +249,24 @@ def _decode_proc_addr(hexaddr: str) -> tuple[str, int]:
     return ip, int(port, 16)
 
 
-def listening_addresses(pids: list[int]) -> list[tuple[str, int]]:
-    """(ip, port) of every listening TCP socket owned by ``pids`` (Linux /proc only)."""
-    inodes: set[str] = set()
+def open_files(pids: list[int]) -> Iterator[tuple[str, str]]:
+    """``(/proc/<pid>/fd/<n>, what it points to)`` for every open descriptor of ``pids`` (Linux /proc only)."""
     for pid in pids:
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
             continue
         for fd in fds:
+            entry = f"/proc/{pid}/fd/{fd}"
             try:
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                yield entry, os.readlink(entry)
             except OSError:
                 continue
-            if link.startswith("socket:["):
-                inodes.add(link[8:-1])
+
+
+def listening_addresses(pids: list[int]) -> list[tuple[str, int]]:
+    """(ip, port) of every listening TCP socket owned by ``pids`` (Linux /proc only)."""
+    inodes = {target[8:-1] for _, target in open_files(pids) if target.startswith("socket:[")}
     out: set[tuple[str, int]] = set()
     for pid in pids:
         for table in ("tcp", "tcp6"):

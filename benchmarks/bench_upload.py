@@ -83,7 +83,7 @@ if ARGS is not None and ARGS.nice is not None:
 import torch  # noqa: E402
 
 import common as C  # noqa: E402
-from backends.launcher import S3Server  # noqa: E402
+from backends.launcher import S3Server, open_files  # noqa: E402
 
 # --------------------------------------------------------------------------- state
 
@@ -185,17 +185,11 @@ def self_cpu() -> float:
 def held_tmp_files(pids: list[int], tmpdir: Path) -> tuple[int, int]:
     """(count, bytes) of files under ``tmpdir`` that the server holds open (moto's spooled objects)."""
     n = size = 0
-    prefix = str(tmpdir)
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
+    for entry, target in open_files(pids):
+        if target.startswith(str(tmpdir)):
             try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(prefix):
-                    n += 1
-                    size += os.stat(f"/proc/{pid}/fd/{fd}").st_size
+                size += os.stat(entry).st_size
+                n += 1
             except OSError:
                 pass
     return n, size
