@@ -138,6 +138,35 @@ def test_remote_latest_pointer_never_moves_backwards(tmp_path, request, kind):
     assert seen == sorted(seen), "the pointer moved backwards"
 
 
+@pytest.mark.parametrize("kind", ["local", "s3", "gcs"])
+def test_conditional_write_refuses_a_stale_version(tmp_path, request, kind):
+    """The compare-and-swap under the pointer: a write conditioned on an outdated version is refused, and of
+    many writers holding the same version exactly one wins."""
+    if kind == "local":
+        storage = open_storage(tmp_path)
+    else:
+        target = request.getfixturevalue(f"{kind}_bucket_url")
+        storage = open_storage(target.url, target.storage_options)
+    assert storage.write_if_match("p", b"1", None)
+    assert not storage.write_if_match("p", b"again", None)          # create-only
+    _, v1 = storage.read_versioned("p")
+    assert storage.write_if_match("p", b"2", v1)
+    assert not storage.write_if_match("p", b"stale", v1)
+    assert storage.read_bytes("p") == b"2"
+    _, v2 = storage.read_versioned("p")
+    wins = []
+
+    def write(i):
+        if storage.write_if_match("p", f"w{i}".encode(), v2):
+            wins.append(i)
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(wins) == 1 and storage.read_bytes("p") == f"w{wins[0]}".encode()
+
+
 def test_load_path_components_then_own_checkpoints_win(tmp_path, remote_url):
     pre = tmp_path / "pretrain"
     torch.manual_seed(0)

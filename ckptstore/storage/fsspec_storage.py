@@ -127,11 +127,7 @@ class FsspecStorage(Storage):
             if self._protocol in ("s3", "s3a"):
                 self.fs.pipe_file(full, bytes(data), IfMatch=token)
             elif self._protocol in ("gs", "gcs"):
-                bucket, key, _ = self.fs.split_path(full)
-                self.fs.call("POST", f"{self.fs._location}/upload/storage/v1/b/{bucket}/o", uploadType="media",
-                             name=key, ifGenerationMatch=str(token), data=bytes(data),
-                             headers={"Content-Type": "application/octet-stream"})
-                self.fs.invalidate_cache(full)
+                self._gcs_upload_if_generation(full, bytes(data), token)
             else:                                      # no conditional writes: check, then write (racy)
                 return super().write_if_match(path, data, token)
             return True
@@ -140,6 +136,21 @@ class FsspecStorage(Storage):
                 self.fs.invalidate_cache(full)
                 return False
             raise
+
+    def _gcs_upload_if_generation(self, full: str, data: bytes, generation) -> None:
+        """One-shot multipart upload with ``ifGenerationMatch`` (the request gcsfs's own one-shot uploads use;
+        fake-gcs-server 1.54 enforces the precondition on it but silently ignores it on ``uploadType=media``).
+        A failed precondition raises (HTTP 412)."""
+        import json
+        bucket, key, _ = self.fs.split_path(full)
+        boundary = "ckptstore-boundary"
+        body = (f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n"
+                f"{json.dumps({'name': key})}\r\n--{boundary}\r\n"
+                f"Content-Type: application/octet-stream\r\n\r\n").encode() + data + f"\r\n--{boundary}--".encode()
+        self.fs.call("POST", f"{self.fs._location}/upload/storage/v1/b/{bucket}/o", uploadType="multipart",
+                     ifGenerationMatch=str(generation), data=body,
+                     headers={"Content-Type": f'multipart/related; boundary="{boundary}"'})
+        self.fs.invalidate_cache(full)
 
     def put_file(self, path: str, local_file: str) -> None:
         self.fs.put_file(local_file, self._p(path))
