@@ -8,8 +8,9 @@
 __version__ = "0.1.0"
 
 from .errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError, UploadError  # noqa: E402
+from .packs import Packing  # noqa: E402
 from .state import RNGState  # noqa: E402
 from .store import SaveResult, Store  # noqa: E402
 
-__all__ = ["Store", "RNGState", "SaveResult", "CheckpointError", "CorruptCheckpointError",
+__all__ = ["Store", "Packing", "RNGState", "SaveResult", "CheckpointError", "CorruptCheckpointError",
            "IncompatibleCheckpointError", "UploadError", "__version__"]

@@ -55,30 +55,31 @@ class Catalog:
     def read_manifest_bytes(self, commit: Commit, rank: int) -> Tuple[bytes, Manifest]:
         """The manifest's bytes (to copy them verbatim) and its decoded contents, checked against the digest
         and size its commit marker recorded. Raises ``CorruptCheckpointError``."""
-        path = manifest_path(commit.step, rank)
         if rank not in commit.manifests:
             raise CorruptCheckpointError(f"commit marker names no manifest for rank {rank}", step=commit.step,
-                                         blob=path)
+                                         blob=manifest_path(commit.step, rank))
+        want_digest, want_size, gen = commit.manifests[rank]
+        path = manifest_path(commit.step, rank, gen)
         try:
             data = self.storage.read_bytes(path)
         except FileNotFoundError:
             raise CorruptCheckpointError("manifest missing", step=commit.step, blob=path) from None
-        want_digest, want_size = commit.manifests[rank]
         if len(data) != want_size or digest_bytes(data) != want_digest.hex():
             raise CorruptCheckpointError(f"manifest does not match its commit marker ({len(data)} bytes, "
                                          f"expected {want_size})", step=commit.step, blob=path)
         return data, decode_manifest(data, step=commit.step, rank=rank, what=path)
 
-    def manifest_digest(self, step: int, rank: int) -> Tuple[bytes, int]:
+    def manifest_digest(self, step: int, rank: int) -> Tuple[bytes, int, int]:
+        """(digest, size, generation 0) of a rank's freshly written manifest, for the commit marker."""
         data = self.storage.read_bytes(manifest_path(step, rank))
-        return bytes.fromhex(digest_bytes(data)), len(data)
+        return bytes.fromhex(digest_bytes(data)), len(data), 0
 
     # -- writing ------------------------------------------------------------------------------------------
-    def write_manifest(self, manifest: Manifest) -> Tuple[bytes, int]:
-        """Write a manifest atomically; return its (digest, size) for the commit marker."""
+    def write_manifest(self, manifest: Manifest, gen: int = 0) -> Tuple[bytes, int, int]:
+        """Write a manifest atomically; return its (digest, size, generation) for the commit marker."""
         data = encode_manifest(manifest)
-        self.storage.write_atomic(manifest_path(manifest.step, manifest.rank), data)
-        return bytes.fromhex(digest_bytes(data)), len(data)
+        self.storage.write_atomic(manifest_path(manifest.step, manifest.rank, gen), data)
+        return bytes.fromhex(digest_bytes(data)), len(data), gen
 
     def write_commit(self, commit: Commit) -> None:
         """Write the commit marker: from this moment the step is visible."""

@@ -186,7 +186,7 @@ def gc_cmd(root, grace_seconds, dry_run, force, storage_options):
     with _open(root, storage_options) as store:
         r = store.gc(grace_seconds=grace_seconds, dry_run=dry_run, force=force)
     verb = "would delete" if dry_run else "deleted"
-    console.print(f"{verb} {r.blobs_deleted} blob(s), {_human(r.bytes_freed)}; "
+    console.print(f"{verb} {r.blobs_deleted} blob(s), {r.packs_deleted} pack(s), {_human(r.bytes_freed)}; "
                   f"{len(r.steps_removed)} uncommitted step dir(s) {r.steps_removed or ''}; "
                   f"{r.temp_files_removed} temp file(s)")
     if r.unreadable_steps:

@@ -1,4 +1,7 @@
-"""Garbage collection: mark every blob referenced by a committed step, sweep the rest.
+"""Garbage collection: mark every blob and pack referenced by a committed step, sweep the rest.
+
+A pack is live while any committed step references any chunk in it (it is kept whole: its other bytes are
+dead weight until a repack rewrites its live chunks).
 
 Also removes what crashes leave behind: uncommitted step directories and temp files. Anything younger than
 ``grace_seconds`` is kept, so a save that is in flight in another process (its blobs and manifests exist,
@@ -13,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Set
 
 from .errors import CheckpointError
-from .layout import OBJECTS, blob_path, parse_blob_name, step_dir
+from .layout import OBJECTS, PACKS, blob_path, pack_path, parse_blob_name, parse_pack_name, step_dir
 
 log = logging.getLogger("ckptstore")
 
@@ -21,6 +24,7 @@ log = logging.getLogger("ckptstore")
 @dataclass
 class GCReport:
     blobs_deleted: int = 0
+    packs_deleted: int = 0
     bytes_freed: int = 0
     steps_removed: List[int] = field(default_factory=list)      # uncommitted step directories
     temp_files_removed: int = 0
@@ -28,22 +32,27 @@ class GCReport:
     dry_run: bool = False
 
 
-def referenced_blobs(catalog, committed: List[int], report: GCReport) -> Set[str]:
+def referenced(catalog, committed: List[int], report: GCReport):
+    """``(blob ids, pack ids)`` referenced by the readable committed steps; unreadable ones go to ``report``."""
     live: Set[str] = set()
+    packs: Set[str] = set()
     for step in committed:
         try:
             commit = catalog.read_commit(step)
             for rank in sorted(commit.manifests):
-                live |= catalog.read_manifest(commit, rank).blob_ids()
+                m = catalog.read_manifest(commit, rank)
+                live |= m.blob_ids()
+                packs |= m.pack_ids()
         except CheckpointError as e:
             log.warning("gc: cannot read step %d (%s)", step, e)
             report.unreadable_steps.append(step)
-    return live
+    return live, packs
 
 
 def collect(storage, catalog, blobs, *, grace_seconds: float = 3600.0, dry_run: bool = False,
-            force: bool = False, keep_steps: Optional[Set[int]] = None) -> GCReport:
-    """Delete unreferenced blobs, uncommitted step directories and stale temp files older than the grace."""
+            force: bool = False, keep_steps: Optional[Set[int]] = None, index=None) -> GCReport:
+    """Delete unreferenced blobs and packs, uncommitted step directories and stale temp files older than
+    ``grace_seconds``. ``index``: a :class:`~ckptstore.index.ChunkIndex` told which packs are gone."""
     report = GCReport(dry_run=dry_run)
     now = time.time()
 
@@ -61,7 +70,7 @@ def collect(storage, catalog, blobs, *, grace_seconds: float = 3600.0, dry_run: 
             report.steps_removed.append(step)
             if not dry_run:
                 storage.rmtree(sd)
-    live = referenced_blobs(catalog, committed, report)
+    live, live_packs = referenced(catalog, committed, report)
     sweep = not report.unreadable_steps or force
     if not sweep:
         log.warning("gc: not sweeping blobs: steps %s are unreadable (repair or delete them, or use force)",
@@ -84,4 +93,24 @@ def collect(storage, catalog, blobs, *, grace_seconds: float = 3600.0, dry_run: 
             if not dry_run:
                 blobs.forget(blob_id)
                 storage.delete(blob_path(blob_id, codec))
+    gone = []
+    for prefix in storage.listdir(PACKS):
+        for name in storage.listdir(f"{PACKS}/{prefix}"):
+            path = f"{PACKS}/{prefix}/{name}"
+            pack_id = parse_pack_name(name)
+            if pack_id is None:
+                if ".tmp-" in name and old(path):
+                    report.temp_files_removed += 1
+                    if not dry_run:
+                        storage.delete(path)
+                continue
+            if not sweep or pack_id in live_packs or not old(path):
+                continue
+            report.packs_deleted += 1
+            report.bytes_freed += storage.size(path) or 0
+            if not dry_run:
+                gone.append(pack_id)
+                storage.delete(pack_path(pack_id))
+    if gone and index is not None:
+        index.forget(packs=gone)
     return report

@@ -4,11 +4,13 @@ This module is the only one that spells file names; every path it returns is rel
 uses ``/``. Everything read from an untrusted store (blob ids, step names) is validated here before it is
 turned into a path, so nothing in a manifest can name a file outside the root.
 
-Layout (format version 1)::
+Layout (format version 2; version 1 is the same without ``packs/`` and manifest generations)::
 
-    objects/<id[:2]>/<id>          blob, raw bytes             (id = BLAKE3-256 hex of the raw bytes)
+    objects/<id[:2]>/<id>          blob, raw bytes of one chunk      (id = BLAKE3-256 hex of the raw bytes)
     objects/<id[:2]>/<id>.zst      blob, zstd frame of the raw bytes
-    steps/<step:012d>/manifest-rank<rank:05d>.msgpack
+    packs/<id[:2]>/<id>.pack       pack: many small chunks back to back (id = BLAKE3-256 hex of the whole file)
+    steps/<step:012d>/manifest-rank<rank:05d>.msgpack          generation 0
+    steps/<step:012d>/manifest-rank<rank:05d>.g<gen>.msgpack   generation gen > 0 (rewritten by a repack)
     steps/<step:012d>/COMMIT       commit marker, written last: makes the step visible
     latest                         latest pointer (JSON), names the newest committed step
     quarantine/                    blobs found corrupt on read, moved aside so the next save rewrites them
@@ -18,6 +20,8 @@ from __future__ import annotations
 import re
 
 OBJECTS = "objects"
+PACKS = "packs"
+PACK_SUFFIX = ".pack"
 STEPS = "steps"
 LATEST = "latest"
 QUARANTINE = "quarantine"
@@ -27,7 +31,8 @@ STORE_MARKER = "ckptstore.json"
 CODEC_SUFFIX = {"raw": "", "zstd": ".zst"}
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 _STEP_DIR_RE = re.compile(r"^[0-9]{12}$")
-_MANIFEST_RE = re.compile(r"^manifest-rank([0-9]{5})\.msgpack$")
+_MANIFEST_RE = re.compile(r"^manifest-rank([0-9]{5})(?:\.g([0-9]{1,9}))?\.msgpack$")
+_PACK_RE = re.compile(r"^([0-9a-f]{64})\.pack$")
 _BLOB_RE = re.compile(r"^([0-9a-f]{64})(\.zst)?$")
 MAX_STEP = 10**12 - 1
 
@@ -55,6 +60,18 @@ def blob_path(blob_id: str, codec: str) -> str:
     return f"{OBJECTS}/{blob_id[:2]}/{blob_id}{CODEC_SUFFIX[codec]}"
 
 
+def pack_path(pack_id: str) -> str:
+    """``packs/<id[:2]>/<id>.pack``; raises ``ValueError`` for an id that is not 64 lowercase hex."""
+    check_blob_id(pack_id)
+    return f"{PACKS}/{pack_id[:2]}/{pack_id}{PACK_SUFFIX}"
+
+
+def parse_pack_name(name: str):
+    """``'<id>.pack'`` -> id; anything else (temp files included) -> ``None``."""
+    m = _PACK_RE.match(name)
+    return m.group(1) if m else None
+
+
 def parse_blob_name(name: str):
     """``'<id>'`` -> ``(id, 'raw')``, ``'<id>.zst'`` -> ``(id, 'zstd')``, anything else -> ``None``."""
     m = _BLOB_RE.match(name)
@@ -72,15 +89,20 @@ def parse_step_dir(name: str):
     return int(name) if _STEP_DIR_RE.match(name) else None
 
 
-def manifest_path(step: int, rank: int) -> str:
+def manifest_path(step: int, rank: int, gen: int = 0) -> str:
+    """Path of one rank's manifest; ``gen`` > 0 for a manifest rewritten by a repack (format 2)."""
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 100000:
         raise ValueError(f"invalid rank {rank!r}")
-    return f"{step_dir(step)}/manifest-rank{rank:05d}.msgpack"
+    if isinstance(gen, bool) or not isinstance(gen, int) or not 0 <= gen < 10**9:
+        raise ValueError(f"invalid manifest generation {gen!r}")
+    suffix = f".g{gen}" if gen else ""
+    return f"{step_dir(step)}/manifest-rank{rank:05d}{suffix}.msgpack"
 
 
 def parse_manifest_name(name: str):
+    """``'manifest-rank00003.g2.msgpack'`` -> ``(3, 2)``; anything else -> ``None``."""
     m = _MANIFEST_RE.match(name)
-    return int(m.group(1)) if m else None
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
 
 
 def commit_path(step: int) -> str:

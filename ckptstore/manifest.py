@@ -12,14 +12,17 @@ Manifest body (one per rank and step)::
      "nodes": [[path, kind, payload], ...]}            # pre-order, see ckptstore.state.Node
     path    = [str | int, ...]
     payload = tensor:  {"dtype": "float32", "shape": [int], "device": "cpu", "requires_grad": bool,
-                        "chunks": [[blob_id, raw_nbytes, codec], ...]}
+                        "chunks": [chunk, ...]}
+    chunk   = [chunk_id, raw_nbytes, codec]                          a blob (objects/)
+            | [chunk_id, raw_nbytes, codec, pack_id, offset, stored]  bytes [offset, offset+stored) of a pack
+                                                                      (format 2; stored = bytes in the pack)
               ndarray / npscalar: {"dtype": "<f4", "shape": [int], "chunks": [...]}
               value: the value | bigint: decimal str | dtype: torch dtype name | list/tuple: length | dict: nil
 
 Commit body (one per step, written last)::
 
     {"step": int, "world_size": int, "created": float (unix seconds), "bytes_total": int,
-     "manifests": [[rank, blake3 of the manifest file (32 bytes), size in bytes], ...],
+     "manifests": [[rank, blake3 of the manifest file (32 bytes), size in bytes(, generation)], ...],
      "metrics": {str: plain value}, "config": {str: plain value} | nil, "writer": "ckptstore <version>"}
 """
 from __future__ import annotations
@@ -37,7 +40,8 @@ from .errors import CorruptCheckpointError, IncompatibleCheckpointError
 from .layout import check_blob_id, check_step
 from .state import TORCH_DTYPES, KeyPath, path_str
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2            # written by this library; 1 and 2 are read (see FORMAT.md)
+MAX_CHUNK_BYTES = 1 << 40
 MAGIC = "ckptstore"
 _NP_DTYPE_RE = re.compile(r"^[<>|=][biufcSUVmM][0-9]+(\[[0-9]*[a-zA-Z]+\])?$")
 CONTAINER_KINDS = ("dict", "list", "tuple")
@@ -47,10 +51,28 @@ NODE_KINDS = CONTAINER_KINDS + ARRAY_KINDS + ("value", "bigint", "dtype")
 
 @dataclass(frozen=True)
 class ChunkRef:
-    """One chunk of a tensor's bytes: the blob holding it, its raw length in bytes, and the blob's codec."""
+    """One chunk of a tensor's bytes and where they live.
+
+    ``blob_id``: BLAKE3-256 hex of the chunk's raw bytes (the chunk's identity, whatever its location).
+    ``nbytes``: raw length in bytes. ``codec``: ``"raw"`` or ``"zstd"`` (how the stored bytes encode it).
+    ``pack``: ``None`` when the chunk is a blob of its own (``objects/``), else the id of the pack holding it,
+    at byte ``offset`` for ``stored`` bytes (``stored == nbytes`` for raw chunks).
+    """
     blob_id: str
     nbytes: int
     codec: str
+    pack: Optional[str] = None
+    offset: int = 0
+    stored: int = 0
+
+    @property
+    def stored_nbytes(self) -> int:
+        return self.stored if self.pack is not None else self.nbytes
+
+    def encode(self) -> list:
+        if self.pack is None:
+            return [self.blob_id, self.nbytes, self.codec]
+        return [self.blob_id, self.nbytes, self.codec, self.pack, self.offset, self.stored]
 
 
 @dataclass
@@ -86,8 +108,17 @@ class Manifest:
         """(node, ArrayEntry) for every tensor / array node, in order."""
         return [(n, n.payload) for n in self.nodes if n.kind in ARRAY_KINDS]
 
+    def chunk_refs(self):
+        """Every chunk reference, in order (a chunk used twice appears twice)."""
+        return [c for _, e in self.arrays() for c in e.chunks]
+
     def blob_ids(self):
-        return {c.blob_id for _, e in self.arrays() for c in e.chunks}
+        """Ids of the chunks stored as blobs of their own (``objects/``)."""
+        return {c.blob_id for c in self.chunk_refs() if c.pack is None}
+
+    def pack_ids(self):
+        """Ids of the packs this manifest reads from."""
+        return {c.pack for c in self.chunk_refs() if c.pack is not None}
 
     @property
     def bytes_total(self) -> int:
@@ -98,7 +129,7 @@ class Manifest:
 class Commit:
     step: int
     world_size: int
-    manifests: Dict[int, Tuple[bytes, int]]      # rank -> (blake3 digest, size in bytes)
+    manifests: Dict[int, Tuple[bytes, int, int]]  # rank -> (blake3 digest, size in bytes, generation)
     created: float
     bytes_total: int
     metrics: Dict[str, Any] = field(default_factory=dict)
@@ -107,14 +138,14 @@ class Commit:
 
 
 # -- framing ------------------------------------------------------------------------------------------------
-def frame(kind: str, body: Dict[str, Any]) -> bytes:
+def frame(kind: str, body: Dict[str, Any], fmt: int = FORMAT_VERSION) -> bytes:
     packed = msgpack.packb(body, use_bin_type=True)
-    return msgpack.packb({"magic": MAGIC, "kind": kind, "format": FORMAT_VERSION, "body": packed,
+    return msgpack.packb({"magic": MAGIC, "kind": kind, "format": fmt, "body": packed,
                           "blake3": bytes.fromhex(digest_bytes(packed))}, use_bin_type=True)
 
 
-def unframe(data: bytes, kind: str, *, what: str, step: Optional[int] = None) -> Dict[str, Any]:
-    """Check a frame's magic, kind, format version and checksum; return the decoded body.
+def unframe(data: bytes, kind: str, *, what: str, step: Optional[int] = None) -> Tuple[Dict[str, Any], int]:
+    """Check a frame's magic, kind, format version and checksum; return the decoded body and its format.
 
     Raises ``CorruptCheckpointError`` (naming ``what``, the file) on any damage, and
     ``IncompatibleCheckpointError`` for a format version newer than this library reads.
@@ -146,7 +177,7 @@ def unframe(data: bytes, kind: str, *, what: str, step: Optional[int] = None) ->
         raise corrupt(f"undecodable body ({type(e).__name__})") from None
     if not isinstance(decoded, dict):
         raise corrupt("body is not a map")
-    return decoded
+    return decoded, fmt
 
 
 # -- manifest -----------------------------------------------------------------------------------------------
@@ -155,8 +186,7 @@ def encode_manifest(m: Manifest) -> bytes:
     for n in m.nodes:
         p = n.payload
         if n.kind in ARRAY_KINDS:
-            d = {"dtype": p.dtype, "shape": list(p.shape),
-                 "chunks": [[c.blob_id, c.nbytes, c.codec] for c in p.chunks]}
+            d = {"dtype": p.dtype, "shape": list(p.shape), "chunks": [c.encode() for c in p.chunks]}
             if n.kind == "tensor":
                 d["device"], d["requires_grad"] = p.device, p.requires_grad
             p = d
@@ -171,11 +201,14 @@ def _int(v, what, lo=0, hi=None) -> int:
     return v
 
 
+_TORCH_ITEMSIZE = {name: dt.itemsize for name, dt in TORCH_DTYPES.items()}
+
+
 def itemsize(kind: str, dtype: str) -> int:
     if kind == "tensor":
-        if dtype not in TORCH_DTYPES:
+        if not isinstance(dtype, str) or dtype not in _TORCH_ITEMSIZE:
             raise ValueError(f"unknown torch dtype {dtype!r}")
-        return torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
+        return _TORCH_ITEMSIZE[dtype]
     if not isinstance(dtype, str) or not _NP_DTYPE_RE.match(dtype):
         raise ValueError(f"unsupported numpy dtype {dtype!r}")
     dt = np.dtype(dtype)
@@ -184,7 +217,50 @@ def itemsize(kind: str, dtype: str) -> int:
     return dt.itemsize
 
 
-def _decode_array(kind: str, p: Any, where: str) -> ArrayEntry:
+def _decode_chunk(c: Any, where: str, fmt: int) -> ChunkRef:
+    if not isinstance(c, list) or len(c) not in ((3, 6) if fmt >= 2 else (3,)):
+        raise ValueError(f"{where}: bad chunk {c!r:.120}")
+    blob_id, nbytes, codec = c[:3]
+    check_blob_id(blob_id)
+    if codec not in CODECS:
+        raise ValueError(f"{where}: unknown codec {codec!r}")
+    nbytes = _int(nbytes, f"{where} chunk size", 1, MAX_CHUNK_BYTES)
+    if len(c) == 3:
+        return ChunkRef(blob_id, nbytes, codec)
+    pack, offset, stored = c[3:]
+    check_blob_id(pack)
+    offset = _int(offset, f"{where} chunk offset", 0, MAX_CHUNK_BYTES)
+    stored = _int(stored, f"{where} chunk stored size", 1, MAX_CHUNK_BYTES)
+    if codec == "raw" and stored != nbytes:
+        raise ValueError(f"{where}: raw chunk {blob_id} stores {stored} bytes for {nbytes}")
+    return ChunkRef(blob_id, nbytes, codec, pack, offset, stored)
+
+
+def _check_pack_ranges(nodes: List["ManifestNode"]) -> None:
+    """Within one pack, two references to the same bytes must name the same chunk, and no two ranges may
+    overlap partially: a manifest that claims otherwise is damaged or hostile."""
+    ranges: Dict[str, Dict[Tuple[int, int], str]] = {}
+    for n in nodes:
+        if n.kind not in ARRAY_KINDS:
+            continue
+        for c in n.payload.chunks:
+            if c.pack is None:
+                continue
+            seen = ranges.setdefault(c.pack, {})
+            other = seen.setdefault((c.offset, c.stored), c.blob_id)
+            if other != c.blob_id:
+                raise ValueError(f"pack {c.pack}: bytes [{c.offset}, {c.offset + c.stored}) claimed by chunks "
+                                 f"{other} and {c.blob_id}")
+    for pack, seen in ranges.items():
+        end, prev = -1, None
+        for (off, stored) in sorted(seen):
+            if off < end:
+                raise ValueError(f"pack {pack}: overlapping ranges [{prev[0]}, {prev[0] + prev[1]}) and "
+                                 f"[{off}, {off + stored})")
+            end, prev = off + stored, (off, stored)
+
+
+def _decode_array(kind: str, p: Any, where: str, fmt: int = FORMAT_VERSION) -> ArrayEntry:
     if not isinstance(p, dict):
         raise ValueError(f"{where}: array payload is not a map")
     dtype = p.get("dtype")
@@ -196,17 +272,11 @@ def _decode_array(kind: str, p: Any, where: str) -> ArrayEntry:
     chunks_raw = p.get("chunks")
     if not isinstance(chunks_raw, list):
         raise ValueError(f"{where}: chunks is not a list")
-    chunks = []
-    for c in chunks_raw:
-        if not isinstance(c, list) or len(c) != 3:
-            raise ValueError(f"{where}: bad chunk {c!r}")
-        blob_id, nbytes, codec = c
-        check_blob_id(blob_id)
-        if codec not in CODECS:
-            raise ValueError(f"{where}: unknown codec {codec!r}")
-        chunks.append(ChunkRef(blob_id, _int(nbytes, f"{where} chunk size", 1, 1 << 40), codec))
-    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    if numel * size != sum(c.nbytes for c in chunks):
+    chunks = [_decode_chunk(c, where, fmt) for c in chunks_raw]
+    numel = 1
+    for d in shape:                     # exact (Python ints never wrap), bounded by the 2**40 check below
+        numel *= d
+    if numel * size > MAX_CHUNK_BYTES * max(1, len(chunks)) or numel * size != sum(c.nbytes for c in chunks):
         raise ValueError(f"{where}: chunks hold {sum(c.nbytes for c in chunks)} bytes, shape {list(shape)} of "
                          f"{dtype} needs {numel * size}")
     entry = ArrayEntry(dtype, shape, chunks)
@@ -220,7 +290,7 @@ def _decode_array(kind: str, p: Any, where: str) -> ArrayEntry:
 
 def decode_manifest(data: bytes, *, step: int, rank: int, what: str) -> Manifest:
     """Decode and validate a manifest. Raises ``CorruptCheckpointError`` naming the file and key path."""
-    body = unframe(data, "manifest", what=what, step=step)
+    body, fmt = unframe(data, "manifest", what=what, step=step)
     where = what
     try:
         if body.get("step") != step or body.get("rank") != rank:
@@ -245,7 +315,7 @@ def decode_manifest(data: bytes, *, step: int, rank: int, what: str) -> Manifest
             if kind not in NODE_KINDS:
                 raise ValueError(f"{where}: unknown node kind {kind!r}")
             if kind in ARRAY_KINDS:
-                payload = _decode_array("tensor" if kind == "tensor" else "ndarray", payload, where)
+                payload = _decode_array("tensor" if kind == "tensor" else "ndarray", payload, where, fmt)
             elif kind in ("list", "tuple"):
                 payload = _int(payload, f"{where} length", 0, 1 << 32)
             elif kind == "bigint":
@@ -260,6 +330,8 @@ def decode_manifest(data: bytes, *, step: int, rank: int, what: str) -> Manifest
             nodes.append(ManifestNode(path, kind, payload))
         if not nodes or nodes[0].path != () or nodes[0].kind != "dict":
             raise ValueError("nodes must start with the root dict")
+        where = what
+        _check_pack_ranges(nodes)
     except ValueError as e:
         raise CorruptCheckpointError(f"invalid manifest: {e}", step=step, blob=what) from None
     return Manifest(step=step, rank=rank, world_size=world_size, stateful=stateful, nodes=nodes)
@@ -269,21 +341,23 @@ def decode_manifest(data: bytes, *, step: int, rank: int, what: str) -> Manifest
 def encode_commit(c: Commit) -> bytes:
     return frame("commit", {"step": c.step, "world_size": c.world_size, "created": c.created,
                             "bytes_total": c.bytes_total,
-                            "manifests": [[r, d, s] for r, (d, s) in sorted(c.manifests.items())],
+                            "manifests": [[r, d, s] + ([g] if g else []) for r, (d, s, g) in sorted(c.manifests.items())],
                             "metrics": c.metrics, "config": c.config, "writer": c.writer})
 
 
 def decode_commit(data: bytes, *, step: int, what: str) -> Commit:
-    body = unframe(data, "commit", what=what, step=step)
+    body, fmt = unframe(data, "commit", what=what, step=step)
     try:
         if body.get("step") != step:
             raise ValueError(f"commit marker is for step {body.get('step')!r}")
         world_size = _int(body.get("world_size"), "world_size", 1, 1 << 20)
         manifests = {}
+        lengths = (3, 4) if fmt >= 2 else (3,)
         for m in body.get("manifests") or []:
-            if not isinstance(m, list) or len(m) != 3 or not isinstance(m[1], bytes) or len(m[1]) != 32:
+            if not isinstance(m, list) or len(m) not in lengths or not isinstance(m[1], bytes) or len(m[1]) != 32:
                 raise ValueError(f"bad manifest reference {m!r:.80}")
-            manifests[_int(m[0], "rank", 0, world_size - 1)] = (m[1], _int(m[2], "manifest size", 1))
+            gen = _int(m[3], "manifest generation", 0, 10**9 - 1) if len(m) == 4 else 0
+            manifests[_int(m[0], "rank", 0, world_size - 1)] = (m[1], _int(m[2], "manifest size", 1), gen)
         if sorted(manifests) != list(range(world_size)):
             raise ValueError(f"commit names manifests of ranks {sorted(manifests)}, world_size is {world_size}")
         metrics = body.get("metrics") or {}

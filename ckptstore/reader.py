@@ -1,7 +1,8 @@
 """The read path: a manifest's chunk references -> verified bytes -> tensors, arrays and plain values.
 
-Every chunk is read straight into the destination buffer and its BLAKE3 digest checked before the value is
-handed out. Chunks are read by a thread pool.
+Every chunk is read into the destination buffer and its BLAKE3 digest checked before the value is handed out.
+Blobs are read whole; packed chunks by ranged reads of coalesced spans, only those of the selected keys (see
+:func:`ckptstore.packs.read_chunks`). Reads run on a thread pool.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from .blobs import BlobStore
 from .manifest import ARRAY_KINDS, Manifest
+from .packs import ReadItem, read_chunks
 from .state import TORCH_DTYPES, Node, path_str
 
 MapLocation = Union[None, str, torch.device, Callable[[torch.Tensor, str], torch.Tensor]]
@@ -28,7 +30,7 @@ def read_nodes(blobs: BlobStore, manifest: Manifest, *, executor: Executor, map_
     Raises ``CorruptCheckpointError`` naming the step, the key and the blob of the first bad chunk.
     """
     nodes: List[Node] = []
-    pending = []
+    pending, packed = [], []
     for mnode in manifest.nodes:
         if select is not None and mnode.path and not select(mnode.path):
             continue
@@ -46,11 +48,15 @@ def read_nodes(blobs: BlobStore, manifest: Manifest, *, executor: Executor, map_
         off = 0
         key = path_str(mnode.path)
         for c in entry.chunks:
-            pending.append(executor.submit(blobs.read_into, c.blob_id, c.codec, mv[off: off + c.nbytes],
-                                           step=manifest.step, key=key))
+            if c.pack is not None:
+                packed.append(ReadItem(c, mv[off: off + c.nbytes], manifest.step, key))
+            else:
+                pending.append(executor.submit(blobs.read_into, c.blob_id, c.codec, mv[off: off + c.nbytes],
+                                               step=manifest.step, key=key))
             off += c.nbytes
         node = Node(mnode.path, mnode.kind, (buf, entry))
         nodes.append(node)
+    pending += read_chunks(blobs.storage, packed, executor=executor, gap=blobs.storage.coalesce_gap)
     error = None
     for f in pending:
         try:

@@ -82,7 +82,9 @@ class VersionCache:
         self._entries: Dict[KeyPath, Tuple[Any, List[ChunkRef]]] = {}
         self._lock = threading.Lock()
 
-    def lookup(self, spec: ArraySpec, t: torch.Tensor, blobs) -> Optional[List[ChunkRef]]:
+    def lookup(self, spec: ArraySpec, t: torch.Tensor, index) -> Optional[List[ChunkRef]]:
+        """The chunk refs recorded for ``spec.path`` if ``t`` is provably unchanged and ``index.has`` every
+        ref (its blob or pack is still in the store), else ``None``."""
         key = _version_key(t)
         spec.cache_key = key
         with self._lock:
@@ -90,7 +92,7 @@ class VersionCache:
         if entry is None or not _same(entry[0], key):
             return None
         refs = entry[1]
-        if any(blobs.locate(r.blob_id) is None for r in refs):      # removed since (gc, quarantine)
+        if any(not index.has(r) for r in refs):      # removed since (gc, quarantine)
             return None
         return refs
 

@@ -1,8 +1,11 @@
-"""Copy committed steps between two storages, in commit order: blobs, then manifests, then the commit marker.
+"""Copy committed steps between two storages, in commit order: blobs and packs, then manifests, then the commit
+marker.
 
-The destination never shows a committed step with a missing blob: the commit marker is copied only after
-every blob and manifest it depends on is in place. Every byte is verified on the way: blobs against their
-BLAKE3 id, manifests against the digests in the commit marker. The latest pointer is the caller's business.
+The destination never shows a committed step with a missing blob or pack: the commit marker is copied only
+after every object and manifest it depends on is in place. Every byte is verified on the way: blobs and packs
+against their BLAKE3 id (a pack's id is the digest of the whole file, so a pack is checked as one object),
+manifests against the digests in the commit marker. Packs move as whole objects (multipart from their file when
+large). The latest pointer is the caller's business.
 Used by the uploader (local -> remote) and by pull / resume (remote -> local).
 """
 from __future__ import annotations
@@ -18,7 +21,7 @@ import blake3
 from .blobs import decompress, digest_bytes
 from .catalog import Catalog
 from .errors import CorruptCheckpointError, UploadError
-from .layout import blob_path, commit_path, manifest_path
+from .layout import blob_path, commit_path, manifest_path, pack_path
 from .manifest import Commit, Manifest
 from .retry import RetryPolicy
 from .threads import background_pool
@@ -53,15 +56,15 @@ def _file_digest(path: str) -> Tuple[str, int]:
 class StepCopier:
     """Copies steps from ``src`` to ``dst`` (two :class:`~ckptstore.storage.Storage`). Thread-safe.
 
-    ``known_dst``: blob ids known to exist on ``dst`` (grows as blobs are copied or found), so a blob is
-    looked up at most once and never copied twice.
+    ``known_dst``: ``("blob", id)`` / ``("pack", id)`` keys of objects known to exist on ``dst`` (grows as
+    they are copied or found), so an object is looked up at most once and never copied twice.
     """
 
     def __init__(self, src, dst, *, workers: int = 8, retry: Optional[RetryPolicy] = None):
         self.src, self.dst = src, dst
         self.src_catalog, self.dst_catalog = Catalog(src), Catalog(dst)
         self.retry = retry or RetryPolicy()
-        self.known_dst: Set[str] = set()
+        self.known_dst: Set[Tuple[str, str]] = set()
         self._lock = threading.Lock()
         self._pool = background_pool(workers, "ckptstore-xfer")
         self._disturbed = False          # a call needed a retry: the destination may have lost state
@@ -91,14 +94,70 @@ class StepCopier:
         return commit_bytes, commit, manifests
 
     # -- blobs --------------------------------------------------------------------------------------------------
-    def _dst_has(self, blob_id: str, codec: str) -> bool:
-        if blob_id in self.known_dst:
+    def _dst_has(self, key, path: str) -> bool:
+        if key in self.known_dst:
             return True
-        present = self.call(lambda: self.dst.exists(blob_path(blob_id, codec)), f"look up blob {blob_id}")
+        present = self.call(lambda: self.dst.exists(path), f"look up {path}")
         if present:
             with self._lock:
-                self.known_dst.add(blob_id)
+                self.known_dst.add(key)
         return present
+
+    def _dst_pack_ok(self, pack_id: str, path: str) -> bool:
+        """A pack already on a local destination (a pull into the local root) is hashed before it is trusted:
+        a damaged local copy is what sends resume to the remote in the first place. Remote destinations are
+        trusted by name (their copies were verified when uploaded)."""
+        full = self.dst.local_path(path)
+        if full is None:
+            return True
+        try:
+            ok = _file_digest(full)[0] == pack_id
+        except FileNotFoundError:
+            return False
+        if not ok:
+            log.warning("local pack %s is damaged: replacing it with the copy from %s", pack_id, self.src.url)
+        return ok
+
+    def _copy_pack(self, step: int, pack_id: str) -> int:
+        """Copy one pack if ``dst`` lacks it, verifying the whole file against its id first (one HEAD, then one
+        PUT, multipart from the file when it is large). Returns bytes sent (0 if present)."""
+        key = ("pack", pack_id)
+        with self._lock:
+            if key in self.known_dst:
+                return 0
+        path = pack_path(pack_id)
+        if self._dst_has(key, path):
+            if self._dst_pack_ok(pack_id, path):
+                return 0
+            with self._lock:
+                self.known_dst.discard(key)
+        local = self.src.local_path(path)
+        size = self.src.size(path) if local is not None else None
+        if local is not None and size is not None and size > STREAM_THRESHOLD:
+            try:
+                digest, size = _file_digest(local)
+            except FileNotFoundError:
+                raise CorruptCheckpointError("pack missing", step=step, blob=path) from None
+            if digest != pack_id:
+                raise CorruptCheckpointError("pack content does not match its hash", step=step, blob=path)
+            self.call(lambda: self.dst.put_file(path, local), f"upload pack {pack_id} ({size} bytes)")
+            sent = size
+        else:
+            try:
+                payload = self.call(lambda: self.src.read_bytes(path), f"read pack {pack_id}")
+            except FileNotFoundError:
+                raise CorruptCheckpointError("pack missing", step=step, blob=path) from None
+            if digest_bytes(payload, threads=True) != pack_id:
+                raise CorruptCheckpointError("pack content does not match its hash", step=step, blob=path)
+            if self.dst.exists(path):                 # damaged copy found above: replace it, atomically
+                self.call(lambda: self.dst.write_atomic(path, payload), f"replace pack {pack_id}")
+                wrote = True
+            else:
+                wrote = self.call(lambda: self.dst.write_new(path, payload), f"write pack {pack_id}")
+            sent = len(payload) if wrote else 0
+        with self._lock:
+            self.known_dst.add(key)
+        return sent
 
     def _copy_blob(self, step: int, blob_id: str, codec: str, nbytes: int) -> int:
         """Copy one blob if ``dst`` lacks it, verifying its bytes first. Returns bytes sent (0 if present).
@@ -107,13 +166,14 @@ class StepCopier:
         conditional (S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``), so a present blob costs one request
         and a resend of at most ``STREAM_THRESHOLD`` bytes, and an absent one (the common case) one request
         instead of two. Large blobs are looked up (one HEAD) before their bytes are sent."""
+        key = ("blob", blob_id)
         with self._lock:
-            if blob_id in self.known_dst:
+            if key in self.known_dst:
                 return 0
         path = blob_path(blob_id, codec)
         local = self.src.local_path(path)
         streamed = local is not None and codec == "raw" and nbytes > STREAM_THRESHOLD
-        if (streamed or not self.dst.conditional_writes) and self._dst_has(blob_id, codec):
+        if (streamed or not self.dst.conditional_writes) and self._dst_has(key, path):
             return 0
         if streamed:
             try:
@@ -135,7 +195,7 @@ class StepCopier:
             wrote = self.call(lambda: self.dst.write_new(path, payload), f"write blob {blob_id}")
             sent = len(payload) if wrote else 0
         with self._lock:
-            self.known_dst.add(blob_id)
+            self.known_dst.add(key)
         return sent
 
     def copy_step(self, step: int) -> TransferStats:
@@ -143,18 +203,21 @@ class StepCopier:
         step becomes visible on ``dst``), :class:`~ckptstore.errors.UploadError` past the retry deadline."""
         t0 = time.perf_counter()
         commit_bytes, commit, manifests = self.read_step(step)
-        blobs = {}
+        blobs, packs = {}, set()
         for _, _, m in manifests:
-            for _, entry in m.arrays():
-                for c in entry.chunks:
+            for c in m.chunk_refs():
+                if c.pack is None:
                     blobs[c.blob_id] = c
-        stats = TransferStats(step=step, blobs_total=len(blobs))
+                else:
+                    packs.add(c.pack)
+        stats = TransferStats(step=step, blobs_total=len(blobs) + len(packs))
         for _ in range(10):
             self._disturbed = False
-            self._copy_blobs(step, blobs, stats)
-            self.dst.sync({blob_path(b, c.codec).rsplit("/", 1)[0] for b, c in blobs.items()})
+            self._copy_objects(step, blobs, packs, stats)
+            self.dst.sync({blob_path(b, c.codec).rsplit("/", 1)[0] for b, c in blobs.items()} |
+                          {pack_path(p).rsplit("/", 1)[0] for p in packs})
             for rank, data, _ in manifests:
-                path = manifest_path(step, rank)
+                path = manifest_path(step, rank, commit.manifests[rank][2])
                 self.call(lambda p=path, d=data: self.dst.write_atomic(p, d), f"write {path}")
             if not self._disturbed:
                 self.call(lambda: self.dst.write_atomic(commit_path(step), commit_bytes),
@@ -168,14 +231,16 @@ class StepCopier:
                         len(blobs), self.dst.url)
             self.dst.refresh()
             with self._lock:
-                self.known_dst.difference_update(blobs)
+                self.known_dst.difference_update({("blob", b) for b in blobs} | {("pack", p) for p in packs})
         else:
             raise UploadError(f"step {step}: the destination kept failing while its blobs were checked")
         stats.seconds = time.perf_counter() - t0
         return stats
 
-    def _copy_blobs(self, step: int, blobs, stats: TransferStats) -> None:
-        futures = [self._pool.submit(self._copy_blob, step, c.blob_id, c.codec, c.nbytes) for c in blobs.values()]
+    def _copy_objects(self, step: int, blobs, packs, stats: TransferStats) -> None:
+        # packs first: they are the large objects, and the pool overlaps them with the many small blobs
+        futures = [self._pool.submit(self._copy_pack, step, p) for p in sorted(packs)]
+        futures += [self._pool.submit(self._copy_blob, step, c.blob_id, c.codec, c.nbytes) for c in blobs.values()]
         error = None
         for f in futures:
             try:
@@ -199,8 +264,8 @@ class StepCopier:
         try:
             commit = self.dst_catalog.read_commit(step)
             for rank in commit.manifests:
-                ids = self.dst_catalog.read_manifest(commit, rank).blob_ids()
+                m = self.dst_catalog.read_manifest(commit, rank)
                 with self._lock:
-                    self.known_dst |= ids
+                    self.known_dst |= {("blob", b) for b in m.blob_ids()} | {("pack", p) for p in m.pack_ids()}
         except Exception as e:  # only an optimisation: a damaged remote step is simply not trusted
             log.info("not using the blobs of step %d of %s as known: %s", step, self.dst.url, e)

@@ -14,14 +14,37 @@ def blob_files(root):
     return sorted(p for p in (Path(root) / "objects").rglob("*") if p.is_file())
 
 
-def blobs_of_key(store: Store, step: int, key: tuple):
-    """Blob files holding the tensor at ``key`` of ``step`` (read through the public catalog)."""
+def pack_files(root):
+    return sorted(p for p in (Path(root) / "packs").rglob("*") if p.is_file())
+
+
+def data_files(root):
+    """Every blob and pack file of a store."""
+    return blob_files(root) + pack_files(root)
+
+
+def chunks_of_key(store: Store, step: int, key: tuple, rank: int = 0):
+    """``[(file, offset, stored length, ChunkRef)]`` for each chunk of the tensor at ``key`` of ``step``: a
+    blob file at offset 0, or a pack file and the chunk's range in it (read through the catalog)."""
     commit = store.catalog.read_commit(step)
-    manifest = store.catalog.read_manifest(commit, 0)
+    manifest = store.catalog.read_manifest(commit, rank)
     for node, entry in manifest.arrays():
         if node.path == key:
-            return [Path(store.root) / "objects" / c.blob_id[:2] / c.blob_id for c in entry.chunks]
+            out = []
+            for c in entry.chunks:
+                if c.pack is None:
+                    out.append((Path(store.root) / "objects" / c.blob_id[:2] / c.blob_id, 0, c.nbytes, c))
+                else:
+                    out.append((Path(store.root) / "packs" / c.pack[:2] / f"{c.pack}.pack", c.offset, c.stored, c))
+            return out
     raise KeyError(key)
+
+
+def blobs_of_key(store: Store, step: int, key: tuple):
+    """Blob files holding the tensor at ``key`` of ``step`` (a store whose chunks are blobs)."""
+    files = [f for f, off, n, c in chunks_of_key(store, step, key)]
+    assert all(f.parent.parent.name == "objects" for f in files), "this tensor's chunks are packed"
+    return files
 
 
 def flip_byte(path: Path, offset: int = 0) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ckptstore import Store
-from helpers import blobs_of_key, flip_byte
+from helpers import chunks_of_key, flip_byte
 
 
 def cli(*args, check=True):
@@ -44,7 +44,8 @@ def test_show_lists_keys(store_dir):
 def test_verify_exit_status(store_dir):
     assert "step 10: ok" in cli("verify", str(store_dir)).stdout
     with Store(store_dir) as s:
-        flip_byte(blobs_of_key(s, 10, ("model", "weight"))[0])
+        path, offset, _, _ = chunks_of_key(s, 10, ("model", "weight"))[0]
+        flip_byte(path, offset)
     p = cli("verify", str(store_dir), check=False)
     assert p.returncode == 1 and "step 10: DAMAGED" in p.stdout and "step 5: ok" in p.stdout
 
@@ -53,8 +54,8 @@ def test_gc_dry_run_then_real(store_dir):
     with Store(store_dir) as s:
         s.delete_step(5)
     out = cli("gc", str(store_dir), "--grace", "0", "--dry-run").stdout
-    assert "would delete 2 blob(s)" in out
-    assert "deleted 2 blob(s)" in cli("gc", str(store_dir), "--grace", "0").stdout
+    assert "would delete 0 blob(s), 1 pack(s)" in out          # step 5's two small tensors share one pack
+    assert "deleted 0 blob(s), 1 pack(s)" in cli("gc", str(store_dir), "--grace", "0").stdout
     assert "step 10: ok" in cli("verify", str(store_dir)).stdout
 
 

@@ -52,7 +52,7 @@ def _failing_writes(monkeypatch):
     real = LocalStorage.write_new
 
     def write_new(self, path, data):
-        if path.startswith("objects/"):
+        if path.startswith(("objects/", "packs/")):
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
         return real(self, path, data)
     monkeypatch.setattr(LocalStorage, "write_new", write_new)

@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from ckptstore import Store
-from helpers import blob_files, step_dir
+from helpers import chunks_of_key, data_files, flip_byte, step_dir
+
+
+def deleted(report):
+    return report.blobs_deleted + report.packs_deleted
 
 
 def test_uncommitted_step_is_invisible_and_cleaned(tmp_path):
@@ -47,7 +51,7 @@ def test_retention_keeps_last_and_milestones_and_frees_blobs(tmp_path):
         for step in range(1, 13):
             s.save({"w": torch.full((1000,), float(step))}, step)
         assert s.steps() == [10, 11, 12]
-        assert len(blob_files(tmp_path)) == 3
+        assert len(data_files(tmp_path)) == 3
         for step in s.steps():
             assert s.load(step)["w"][0].item() == step
 
@@ -58,12 +62,12 @@ def test_gc_sweeps_unreferenced_blobs_respecting_grace(tmp_path):
         s.save({"w": torch.zeros(1000)}, 2)
         s.delete_step(1)
         r = s.gc(grace_seconds=3600)
-        assert r.blobs_deleted == 0                          # too young to sweep
+        assert deleted(r) == 0                               # too young to sweep
         r = s.gc(grace_seconds=0, dry_run=True)
-        assert r.blobs_deleted == 1 and len(blob_files(tmp_path)) == 2
+        assert deleted(r) == 1 and len(data_files(tmp_path)) == 2
         r = s.gc(grace_seconds=0)
-        assert r.blobs_deleted == 1 and r.bytes_freed == 4000
-        assert len(blob_files(tmp_path)) == 1
+        assert deleted(r) == 1 and r.bytes_freed == 4000
+        assert len(data_files(tmp_path)) == 1
         assert torch.equal(s.load(2)["w"], torch.zeros(1000))
 
 
@@ -75,15 +79,15 @@ def test_gc_does_not_sweep_when_a_step_is_unreadable(tmp_path):
         mf.write_bytes(mf.read_bytes()[:10])
         s.delete_step(2)
         r = s.gc(grace_seconds=0)
-        assert r.unreadable_steps == [1] and r.blobs_deleted == 0
+        assert r.unreadable_steps == [1] and deleted(r) == 0
         r = s.gc(grace_seconds=0, force=True)
-        assert r.blobs_deleted == 2
+        assert deleted(r) == 2
 
 
 def test_gc_removes_stale_temp_files(tmp_path):
     with Store(tmp_path) as s:
         s.save({"w": torch.ones(1000)}, 1)
-        blob = blob_files(tmp_path)[0]
+        blob = data_files(tmp_path)[0]
         tmp = blob.with_name(blob.name + ".tmp-1-deadbeef")
         tmp.write_bytes(b"partial")
         old = time.time() - 7200
@@ -96,8 +100,8 @@ def test_verify_reports_each_step(tmp_path):
         s.save({"w": torch.ones(1000)}, 1)
         s.save({"w": torch.zeros(1000)}, 2)
         assert s.verify() == {1: None, 2: None}
-        from helpers import blobs_of_key, flip_byte
-        flip_byte(blobs_of_key(s, 2, ("w",))[0])
+        path, offset, _, _ = chunks_of_key(s, 2, ("w",))[0]
+        flip_byte(path, offset)
         res = s.verify()
         assert res[1] is None and "does not match" in res[2]
 

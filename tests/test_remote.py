@@ -20,6 +20,7 @@ from ckptstore.layout import LATEST
 from ckptstore.pointers import advance_latest, decode_pointer
 from ckptstore.retry import RetryPolicy
 from ckptstore.storage import open_storage
+from helpers import chunks_of_key, data_files
 
 
 def state_at(step, n=50_000, frozen=None):
@@ -64,12 +65,12 @@ def test_remote_blob_with_flipped_byte_is_detected_and_resume_falls_back(tmp_pat
         s.save(state_at(1), 1)
         s.save(state_at(2), 2)
         s.wait_for_uploads()
-        manifest = s.catalog.read_manifest(s.catalog.read_commit(2), 0)
-        blob_id = [e for n, e in manifest.arrays() if n.path == ("w",)][0].chunks[0].blob_id
+        _, offset, _, ref = chunks_of_key(s, 2, ("w",))[0]
+    blob_id = ref.pack or ref.blob_id                    # the object a pull verifies as a whole
     fs, root = fsspec.core.url_to_fs(remote_url.url, **remote_url.storage_options)
-    path = f"{root}/objects/{blob_id[:2]}/{blob_id}"
+    path = (f"{root}/packs/{blob_id[:2]}/{blob_id}.pack" if ref.pack else f"{root}/objects/{blob_id[:2]}/{blob_id}")
     data = bytearray(fs.cat_file(path))
-    data[17] ^= 0x40
+    data[offset + 17] ^= 0x40
     fs.pipe_file(path, bytes(data))
     fs.invalidate_cache()
     shutil.rmtree(local)
@@ -87,9 +88,8 @@ def test_damaged_local_step_is_repaired_from_remote(tmp_path, remote_url):
     with Store(local, remote=remote_url.url, storage_options=remote_url.storage_options) as s:
         s.save(state_at(1), 1)
         s.wait_for_uploads()
-    for blob in (local / "objects").rglob("*"):
-        if blob.is_file():
-            blob.write_bytes(b"garbage")
+    for blob in data_files(local):
+        blob.write_bytes(b"garbage")
     with Store(local, remote=remote_url.url, storage_options=remote_url.storage_options) as s:
         state = {"w": None, "progress": None}
         assert s.resume(state) == 1 and s.resumed_from["tier"] == "remote"
@@ -388,8 +388,7 @@ def test_keep_local_removes_uploaded_steps_only(tmp_path, s3_bucket_url):
             s.save(state_at(step), step)
         s.wait_for_uploads()
         assert s.steps() == [3]                           # older local steps went once uploaded
-        blobs = [p for p in (local / "objects").rglob("*") if p.is_file()]
-        assert len(blobs) == 1                            # and their blobs were collected
+        assert len(data_files(local)) == 1                # and their blobs / packs were collected
     with remote_store(s3_bucket_url) as r:
         assert r.steps() == [1, 2, 3]
 

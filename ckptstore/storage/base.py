@@ -27,6 +27,9 @@ class Storage(ABC):
 
     #: human-readable location of the root (a path or a URL); never contains credentials.
     url: str
+    #: ranged reads of one pack are merged across holes of at most this many bytes (reading a hole costs
+    #: less than another request / system call up to about this size)
+    coalesce_gap: int = 1 << 20
 
     @abstractmethod
     def read_bytes(self, path: str) -> bytes:
@@ -41,6 +44,14 @@ class Storage(ABC):
         data = self.read_bytes(path)
         if len(data) > len(out):
             raise ValueError(f"{path}: {len(data)} bytes do not fit in a buffer of {len(out)}")
+        out[: len(data)] = data
+        return len(data)
+
+    def read_range_into(self, path: str, offset: int, out: memoryview) -> int:
+        """Read up to ``len(out)`` bytes of ``path`` starting at byte ``offset`` into ``out``; return how many
+        were read (fewer at the end of the file). Raises ``FileNotFoundError``. Backends override this with a
+        real ranged read (``pread``, HTTP ``Range``); this default reads the whole file."""
+        data = self.read_bytes(path)[offset: offset + len(out)]
         out[: len(data)] = data
         return len(data)
 

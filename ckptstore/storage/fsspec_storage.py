@@ -31,6 +31,7 @@ def _is_precondition_failure(e: BaseException) -> bool:
 
 
 class FsspecStorage(Storage):
+    coalesce_gap = 4 << 20              # one request costs ~ms; 4 MiB at ~100-400 MB/s costs about as much
     def __init__(self, url: str, storage_options: Optional[dict] = None):
         self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         self.root = root.rstrip("/")
@@ -44,6 +45,14 @@ class FsspecStorage(Storage):
 
     def read_bytes(self, path: str) -> bytes:
         return self.fs.cat_file(self._p(path))
+
+    def read_range_into(self, path: str, offset: int, out: memoryview) -> int:
+        """One ranged GET (``Range: bytes=offset-end``)."""
+        if not len(out):
+            return 0
+        data = self.fs.cat_file(self._p(path), start=offset, end=offset + len(out))
+        out[: len(data)] = data
+        return len(data)
 
     def size(self, path: str) -> Optional[int]:
         """One metadata request: S3 HeadObject / GCS object GET (``fs.info`` would also LIST the key as a
