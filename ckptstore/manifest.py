@@ -9,13 +9,15 @@ ids, dtypes, byte counts) before other modules see it.
 Manifest body (one per rank and step)::
 
     {"step": int, "rank": int, "world_size": int, "stateful": [str, ...],
+     "packs": [pack_id, ...],                          # format 2: the packs this manifest reads from
      "nodes": [[path, kind, payload], ...]}            # pre-order, see ckptstore.state.Node
     path    = [str | int, ...]
     payload = tensor:  {"dtype": "float32", "shape": [int], "device": "cpu", "requires_grad": bool,
                         "chunks": [chunk, ...]}
     chunk   = [chunk_id, raw_nbytes, codec]                          a blob (objects/)
-            | [chunk_id, raw_nbytes, codec, pack_id, offset, stored]  bytes [offset, offset+stored) of a pack
-                                                                      (format 2; stored = bytes in the pack)
+            | [chunk_id, raw_nbytes, codec, pack, offset, stored]     bytes [offset, offset+stored) of a pack
+                                                                      (format 2; pack = index into "packs";
+                                                                      stored = bytes in the pack)
               ndarray / npscalar: {"dtype": "<f4", "shape": [int], "chunks": [...]}
               value: the value | bigint: decimal str | dtype: torch dtype name | list/tuple: length | dict: nil
 
@@ -69,10 +71,12 @@ class ChunkRef:
     def stored_nbytes(self) -> int:
         return self.stored if self.pack is not None else self.nbytes
 
-    def encode(self) -> list:
+    def encode(self, pack_index: Dict[str, int]) -> list:
+        """The manifest form; ``pack_index`` (pack id -> position in the manifest's pack table) grows."""
         if self.pack is None:
             return [self.blob_id, self.nbytes, self.codec]
-        return [self.blob_id, self.nbytes, self.codec, self.pack, self.offset, self.stored]
+        return [self.blob_id, self.nbytes, self.codec, pack_index.setdefault(self.pack, len(pack_index)),
+                self.offset, self.stored]
 
 
 @dataclass
@@ -183,16 +187,17 @@ def unframe(data: bytes, kind: str, *, what: str, step: Optional[int] = None) ->
 # -- manifest -----------------------------------------------------------------------------------------------
 def encode_manifest(m: Manifest) -> bytes:
     nodes = []
+    packs: Dict[str, int] = {}
     for n in m.nodes:
         p = n.payload
         if n.kind in ARRAY_KINDS:
-            d = {"dtype": p.dtype, "shape": list(p.shape), "chunks": [c.encode() for c in p.chunks]}
+            d = {"dtype": p.dtype, "shape": list(p.shape), "chunks": [c.encode(packs) for c in p.chunks]}
             if n.kind == "tensor":
                 d["device"], d["requires_grad"] = p.device, p.requires_grad
             p = d
         nodes.append([list(n.path), n.kind, p])
     return frame("manifest", {"step": m.step, "rank": m.rank, "world_size": m.world_size,
-                              "stateful": list(m.stateful), "nodes": nodes})
+                              "stateful": list(m.stateful), "packs": list(packs), "nodes": nodes})
 
 
 def _int(v, what, lo=0, hi=None) -> int:
@@ -217,7 +222,7 @@ def itemsize(kind: str, dtype: str) -> int:
     return dt.itemsize
 
 
-def _decode_chunk(c: Any, where: str, fmt: int) -> ChunkRef:
+def _decode_chunk(c: Any, where: str, fmt: int, packs: List[str]) -> ChunkRef:
     if not isinstance(c, list) or len(c) not in ((3, 6) if fmt >= 2 else (3,)):
         raise ValueError(f"{where}: bad chunk {c!r:.120}")
     blob_id, nbytes, codec = c[:3]
@@ -228,7 +233,7 @@ def _decode_chunk(c: Any, where: str, fmt: int) -> ChunkRef:
     if len(c) == 3:
         return ChunkRef(blob_id, nbytes, codec)
     pack, offset, stored = c[3:]
-    check_blob_id(pack)
+    pack = packs[_int(pack, f"{where} pack index", 0, len(packs) - 1)]
     offset = _int(offset, f"{where} chunk offset", 0, MAX_CHUNK_BYTES)
     stored = _int(stored, f"{where} chunk stored size", 1, MAX_CHUNK_BYTES)
     if codec == "raw" and stored != nbytes:
@@ -260,7 +265,7 @@ def _check_pack_ranges(nodes: List["ManifestNode"]) -> None:
             end, prev = off + stored, (off, stored)
 
 
-def _decode_array(kind: str, p: Any, where: str, fmt: int = FORMAT_VERSION) -> ArrayEntry:
+def _decode_array(kind: str, p: Any, where: str, fmt: int = FORMAT_VERSION, packs: List[str] = ()) -> ArrayEntry:
     if not isinstance(p, dict):
         raise ValueError(f"{where}: array payload is not a map")
     dtype = p.get("dtype")
@@ -272,7 +277,7 @@ def _decode_array(kind: str, p: Any, where: str, fmt: int = FORMAT_VERSION) -> A
     chunks_raw = p.get("chunks")
     if not isinstance(chunks_raw, list):
         raise ValueError(f"{where}: chunks is not a list")
-    chunks = [_decode_chunk(c, where, fmt) for c in chunks_raw]
+    chunks = [_decode_chunk(c, where, fmt, packs) for c in chunks_raw]
     numel = 1
     for d in shape:                     # exact (Python ints never wrap), bounded by the 2**40 check below
         numel *= d
@@ -299,6 +304,10 @@ def decode_manifest(data: bytes, *, step: int, rank: int, what: str) -> Manifest
         stateful = body.get("stateful")
         if not isinstance(stateful, list) or not all(isinstance(s, str) for s in stateful):
             raise ValueError("bad stateful list")
+        packs = body.get("packs", [])
+        if not isinstance(packs, list) or len(packs) > (1 << 24):
+            raise ValueError("bad pack table")
+        packs = [check_blob_id(p) for p in packs]
         nodes_raw = body.get("nodes")
         if not isinstance(nodes_raw, list):
             raise ValueError("nodes is not a list")
@@ -315,7 +324,7 @@ def decode_manifest(data: bytes, *, step: int, rank: int, what: str) -> Manifest
             if kind not in NODE_KINDS:
                 raise ValueError(f"{where}: unknown node kind {kind!r}")
             if kind in ARRAY_KINDS:
-                payload = _decode_array("tensor" if kind == "tensor" else "ndarray", payload, where, fmt)
+                payload = _decode_array("tensor" if kind == "tensor" else "ndarray", payload, where, fmt, packs)
             elif kind in ("list", "tuple"):
                 payload = _int(payload, f"{where} length", 0, 1 << 32)
             elif kind == "bigint":

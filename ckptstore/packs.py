@@ -96,7 +96,7 @@ class PackBuffers:
                 if len(buf) >= need:
                     return self._free.pop(i)
             if self._free:                       # too small: drop one rather than hold both
-                self._free.pop().close()
+                _close(self._free.pop())
         return mmap.mmap(-1, need)
 
     def give(self, buf: mmap.mmap) -> None:
@@ -112,7 +112,14 @@ class PackBuffers:
         with self._lock:
             bufs, self._free = self._free, []
         for b in bufs:
-            b.close()
+            _close(b)
+
+
+def _close(buf: mmap.mmap) -> None:
+    try:
+        buf.close()
+    except BufferError:                       # a view is still alive somewhere: let it be freed with it
+        pass
 
 
 def write_pack(storage, chunks: Sequence[Tuple[str, memoryview]], *, codec: str, level: int,
@@ -125,8 +132,9 @@ def write_pack(storage, chunks: Sequence[Tuple[str, memoryview]], *, codec: str,
     """
     raw_total = sum(len(v) for _, v in chunks)
     buf = buffers.take(raw_total)
+    mv = memoryview(buf)
+    body = None
     try:
-        mv = memoryview(buf)
         placed = []
         off = 0
         for chunk_id, view in chunks:
@@ -142,12 +150,31 @@ def write_pack(storage, chunks: Sequence[Tuple[str, memoryview]], *, codec: str,
             off += k
         body = mv[:off]
         pack_id = digest_bytes(body, threads=True)
-        wrote = storage.write_new(pack_path(pack_id), body)
-        del mv, body
+        path = pack_path(pack_id)
+        wrote = storage.write_new(path, body)
+        if not wrote and not _intact(storage, path, pack_id, off):
+            # a pack of this name exists but is damaged (e.g. a flipped bit found on load): never reference
+            # it; replace it with the bytes that hash to its name, atomically
+            storage.write_atomic(path, body)
+            wrote = True
     finally:
+        if body is not None:                  # no view of the buffer may outlive this call (even on error):
+            body.release()                    # the buffer is reused, and an mmap with views cannot close
+        mv.release()
         buffers.give(buf)
     refs = [ChunkRef(cid, n, used, pack_id, o, k) for cid, n, used, o, k in placed]
     return refs, (off if wrote else 0)
+
+
+def _intact(storage, path: str, pack_id: str, size: int) -> bool:
+    """Whether the stored pack has ``size`` bytes hashing to its id (checked before a save reuses a pack of
+    the same name: content naming alone does not prove the stored bytes are still good)."""
+    try:
+        if storage.size(path) != size:
+            return False
+        return digest_bytes(storage.read_bytes(path), threads=True) == pack_id
+    except FileNotFoundError:
+        return False
 
 
 # -- reading ----------------------------------------------------------------------------------------------------
