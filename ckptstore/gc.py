@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Set
 
 from .errors import CheckpointError
-from .layout import OBJECTS, PACKS, blob_path, pack_path, parse_blob_name, parse_pack_name, step_dir
+from .layout import OBJECTS, PACKS, parse_blob_name, parse_pack_name, step_dir
 
 log = logging.getLogger("ckptstore")
 
@@ -75,42 +75,35 @@ def collect(storage, catalog, blobs, *, grace_seconds: float = 3600.0, dry_run: 
     if not sweep:
         log.warning("gc: not sweeping blobs: steps %s are unreadable (repair or delete them, or use force)",
                     report.unreadable_steps)
-    for prefix in storage.listdir(OBJECTS):
-        for name in storage.listdir(f"{OBJECTS}/{prefix}"):
-            path = f"{OBJECTS}/{prefix}/{name}"
-            parsed = parse_blob_name(name)
-            if parsed is None:
-                if ".tmp-" in name and old(path):
-                    report.temp_files_removed += 1
-                    if not dry_run:
-                        storage.delete(path)
-                continue
-            blob_id, codec = parsed
-            if not sweep or blob_id in live or not old(path):
-                continue
-            report.blobs_deleted += 1
-            report.bytes_freed += storage.size(path) or 0
-            if not dry_run:
-                blobs.forget(blob_id)
-                storage.delete(blob_path(blob_id, codec))
-    gone = []
-    for prefix in storage.listdir(PACKS):
-        for name in storage.listdir(f"{PACKS}/{prefix}"):
-            path = f"{PACKS}/{prefix}/{name}"
-            pack_id = parse_pack_name(name)
-            if pack_id is None:
-                if ".tmp-" in name and old(path):
-                    report.temp_files_removed += 1
-                    if not dry_run:
-                        storage.delete(path)
-                continue
-            if not sweep or pack_id in live_packs or not old(path):
-                continue
-            report.packs_deleted += 1
-            report.bytes_freed += storage.size(path) or 0
-            if not dry_run:
-                gone.append(pack_id)
-                storage.delete(pack_path(pack_id))
-    if gone and index is not None:
+    def sweep_dir(top: str, parse, live_ids: Set[str]) -> List[str]:
+        """Delete stale temp files under ``top/<prefix>/`` and, when sweeping, files whose id (``parse(name)``
+        -> id or None) is not live and older than the grace. Returns the ids of the deleted files."""
+        deleted = []
+        for prefix in storage.listdir(top):
+            for name in storage.listdir(f"{top}/{prefix}"):
+                path = f"{top}/{prefix}/{name}"
+                obj_id = parse(name)
+                if obj_id is None:
+                    if ".tmp-" in name and old(path):
+                        report.temp_files_removed += 1
+                        if not dry_run:
+                            storage.delete(path)
+                    continue
+                if not sweep or obj_id in live_ids or not old(path):
+                    continue
+                report.bytes_freed += storage.size(path) or 0
+                deleted.append(obj_id)
+                if not dry_run:
+                    storage.delete(path)
+        return deleted
+
+    dead_blobs = sweep_dir(OBJECTS, lambda n: (parse_blob_name(n) or (None,))[0], live)
+    report.blobs_deleted = len(dead_blobs)
+    gone = sweep_dir(PACKS, parse_pack_name, live_packs)
+    report.packs_deleted = len(gone)
+    if not dry_run:
+        for blob_id in dead_blobs:
+            blobs.forget(blob_id)
+    if gone and index is not None and not dry_run:
         index.forget(packs=gone)
     return report
