@@ -32,7 +32,7 @@ from .retention import RetentionPolicy
 from .retry import RetryPolicy
 from .runconfig import differences, normalize
 from .snapshot import ArraySpec, StagingPool, VersionCache, direct_view, spec_of
-from .state import Node, flatten, is_stateful, unflatten
+from .state import Node, flatten, is_stateful, path_str, unflatten
 from .storage import Storage, is_local, open_storage
 from .threads import background_pool
 from .transfer import StepCopier
@@ -689,7 +689,7 @@ class Store:
                 if c.pack is None:
                     futures.append(self._pool.submit(self.blobs.verify, c.blob_id, c.codec, c.nbytes))
                     continue
-                batch.append(ReadItem(c, memoryview(bytearray(c.nbytes)), manifest.step, "/".join(map(str, node.path))))
+                batch.append(ReadItem(c, memoryview(bytearray(c.nbytes)), manifest.step, path_str(node.path)))
                 held += c.nbytes
                 if held >= batch_bytes:
                     flush()

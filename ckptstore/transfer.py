@@ -103,6 +103,20 @@ class StepCopier:
                 self.known_dst.add(key)
         return present
 
+    def _put_verified_file(self, step: int, path: str, local: str, want_id: str, want_size: Optional[int],
+                           what: str, name: str) -> int:
+        """Hash the local file (it must hash to ``want_id`` and, if given, have ``want_size`` bytes), then upload
+        it from the file (multipart, bounded memory). Returns its size. Raises ``CorruptCheckpointError``
+        naming ``name`` when it is missing or does not match."""
+        try:
+            digest, size = _file_digest(local)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{what} missing", step=step, blob=name) from None
+        if digest != want_id or (want_size is not None and size != want_size):
+            raise CorruptCheckpointError(f"{what} content does not match its hash", step=step, blob=name)
+        self.call(lambda: self.dst.put_file(path, local), f"upload {what} {want_id} ({size} bytes)")
+        return size
+
     def _dst_pack_ok(self, pack_id: str, path: str) -> bool:
         """A pack already on a local destination (a pull into the local root) is hashed before it is trusted:
         a damaged local copy is what sends resume to the remote in the first place. Remote destinations are
@@ -134,14 +148,7 @@ class StepCopier:
         local = self.src.local_path(path)
         size = self.src.size(path) if local is not None else None
         if local is not None and size is not None and size > STREAM_THRESHOLD:
-            try:
-                digest, size = _file_digest(local)
-            except FileNotFoundError:
-                raise CorruptCheckpointError("pack missing", step=step, blob=path) from None
-            if digest != pack_id:
-                raise CorruptCheckpointError("pack content does not match its hash", step=step, blob=path)
-            self.call(lambda: self.dst.put_file(path, local), f"upload pack {pack_id} ({size} bytes)")
-            sent = size
+            sent = self._put_verified_file(step, path, local, pack_id, None, "pack", path)
         else:
             try:
                 payload = self.call(lambda: self.src.read_bytes(path), f"read pack {pack_id}")
@@ -176,14 +183,7 @@ class StepCopier:
         if (streamed or not self.dst.conditional_writes) and self._dst_has(key, path):
             return 0
         if streamed:
-            try:
-                digest, size = _file_digest(local)
-            except FileNotFoundError:
-                raise CorruptCheckpointError("blob missing", step=step, blob=blob_id) from None
-            if digest != blob_id or size != nbytes:
-                raise CorruptCheckpointError("blob content does not match its hash", step=step, blob=blob_id)
-            self.call(lambda: self.dst.put_file(path, local), f"upload blob {blob_id} ({nbytes} bytes)")
-            sent = size
+            sent = self._put_verified_file(step, path, local, blob_id, nbytes, "blob", blob_id)
         else:
             try:
                 payload = self.call(lambda: self.src.read_bytes(path), f"read blob {blob_id}")
