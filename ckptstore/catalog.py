@@ -85,6 +85,11 @@ class Catalog:
         """Write the commit marker: from this moment the step is visible."""
         self.storage.write_atomic(commit_path(commit.step), encode_commit(commit))
 
+    def write_commit_bytes(self, step: int, data: bytes) -> None:
+        """Write a commit marker given as bytes (rank 0's, copied into another rank's root); checked first."""
+        decode_commit(data, step=step, what=commit_path(step))
+        self.storage.write_atomic(commit_path(step), data)
+
     def uncommit(self, step: int) -> None:
         self.storage.delete(commit_path(step))
 

@@ -18,6 +18,8 @@ Manifest body (one per rank and step)::
             | [chunk_id, raw_nbytes, codec, pack, offset, stored]     bytes [offset, offset+stored) of a pack
                                                                       (format 2; pack = index into "packs";
                                                                       stored = bytes in the pack)
+    dtensor: the tensor payload (``shape`` = the local shard's) plus
+                        "shard": {"global_shape": [int], "offset": [int], "mesh": [int], "placements": [str]}
               ndarray / npscalar: {"dtype": "<f4", "shape": [int], "chunks": [...]}
               value: the value | bigint: decimal str | dtype: torch dtype name | list/tuple: length | dict: nil
 
@@ -40,6 +42,7 @@ import torch
 from .blobs import CODECS, digest_bytes
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError
 from .layout import check_blob_id, check_step
+from .sharding import ShardInfo
 from .state import TORCH_DTYPES, KeyPath, path_str
 
 FORMAT_VERSION = 2            # written by this library; 1 and 2 are read (see FORMAT.md)
@@ -47,7 +50,8 @@ MAX_CHUNK_BYTES = 1 << 40
 MAGIC = "ckptstore"
 _NP_DTYPE_RE = re.compile(r"^[<>|=][biufcSUVmM][0-9]+(\[[0-9]*[a-zA-Z]+\])?$")
 CONTAINER_KINDS = ("dict", "list", "tuple")
-ARRAY_KINDS = ("tensor", "ndarray", "npscalar")
+ARRAY_KINDS = ("tensor", "dtensor", "ndarray", "npscalar")
+TENSOR_KINDS = ("tensor", "dtensor")
 NODE_KINDS = CONTAINER_KINDS + ARRAY_KINDS + ("value", "bigint", "dtype")
 
 
@@ -87,6 +91,7 @@ class ArrayEntry:
     chunks: List[ChunkRef]
     device: str = "cpu"
     requires_grad: bool = False
+    shard: Optional[ShardInfo] = None   # a DTensor's local shard: where it sits in the global tensor
 
     @property
     def nbytes(self) -> int:
@@ -192,8 +197,10 @@ def encode_manifest(m: Manifest) -> bytes:
         p = n.payload
         if n.kind in ARRAY_KINDS:
             d = {"dtype": p.dtype, "shape": list(p.shape), "chunks": [c.encode(packs) for c in p.chunks]}
-            if n.kind == "tensor":
+            if n.kind in TENSOR_KINDS:
                 d["device"], d["requires_grad"] = p.device, p.requires_grad
+            if n.kind == "dtensor":
+                d["shard"] = p.shard.encode()
             p = d
         nodes.append([list(n.path), n.kind, p])
     return frame("manifest", {"step": m.step, "rank": m.rank, "world_size": m.world_size,
@@ -210,7 +217,7 @@ _TORCH_ITEMSIZE = {name: dt.itemsize for name, dt in TORCH_DTYPES.items()}
 
 
 def itemsize(kind: str, dtype: str) -> int:
-    if kind == "tensor":
+    if kind in TENSOR_KINDS:
         if not isinstance(dtype, str) or dtype not in _TORCH_ITEMSIZE:
             raise ValueError(f"unknown torch dtype {dtype!r}")
         return _TORCH_ITEMSIZE[dtype]
@@ -285,7 +292,9 @@ def _decode_array(kind: str, p: Any, where: str, fmt: int = FORMAT_VERSION, pack
         raise ValueError(f"{where}: chunks hold {sum(c.nbytes for c in chunks)} bytes, shape {list(shape)} of "
                          f"{dtype} needs {numel * size}")
     entry = ArrayEntry(dtype, shape, chunks)
-    if kind == "tensor":
+    if kind == "dtensor":
+        entry.shard = ShardInfo.decode(p.get("shard"), shape, where)
+    if kind in TENSOR_KINDS:
         dev = p.get("device", "cpu")
         if not isinstance(dev, str) or len(dev) > 64:
             raise ValueError(f"{where}: bad device {dev!r}")
@@ -324,7 +333,7 @@ def decode_manifest(data: bytes, *, step: int, rank: int, what: str) -> Manifest
             if kind not in NODE_KINDS:
                 raise ValueError(f"{where}: unknown node kind {kind!r}")
             if kind in ARRAY_KINDS:
-                payload = _decode_array("tensor" if kind == "tensor" else "ndarray", payload, where, fmt, packs)
+                payload = _decode_array(kind if kind in TENSOR_KINDS else "ndarray", payload, where, fmt, packs)
             elif kind in ("list", "tuple"):
                 payload = _int(payload, f"{where} length", 0, 1 << 32)
             elif kind == "bigint":

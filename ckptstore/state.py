@@ -19,6 +19,8 @@ from typing import Any, Dict, List, Mapping, Tuple
 import numpy as np
 import torch
 
+from .sharding import is_dtensor, local_shard
+
 KeyPath = Tuple[Any, ...]
 
 # dtype names <-> torch dtypes: every dtype of this torch build that is not quantized.
@@ -48,13 +50,15 @@ class Node:
     """One record of a flattened state.
 
     ``kind`` is one of ``dict``, ``list``, ``tuple`` (containers: ``value`` is the length for list/tuple),
-    ``value`` (a plain msgpack-able value), ``bigint`` (an int beyond 64 bits, kept as a decimal string),
+    ``value`` (a plain msgpack-able value; a DTensor is a ``tensor`` node holding its local shard, with ``shard``
+set), ``bigint`` (an int beyond 64 bits, kept as a decimal string),
     ``dtype`` (a ``torch.dtype``, kept by name), ``tensor`` / ``ndarray`` / ``npscalar`` (``value`` is the
     array itself; its bytes go to blobs).
     """
     path: KeyPath
     kind: str
     value: Any = None
+    shard: Any = None         # a DTensor's ShardInfo (``value`` is then its local tensor); see ckptstore.sharding
 
 
 def _check_key(path: KeyPath, key: Any) -> None:
@@ -86,7 +90,14 @@ def flatten(state: Mapping[str, Any]) -> Tuple[List[Node], List[str]]:
 
 
 def _flatten_value(path: KeyPath, value: Any, out: List[Node], seen: set) -> None:
-    if isinstance(value, torch.Tensor):
+    if is_dtensor(value):
+        try:
+            local, info = local_shard(value)
+        except TypeError as e:
+            raise TypeError(f"{e} (at {path_str(path)})") from None
+        _check_tensor(path, local)
+        out.append(Node(path, "tensor", local, shard=info))
+    elif isinstance(value, torch.Tensor):
         _check_tensor(path, value)
         out.append(Node(path, "tensor", value))
     elif isinstance(value, np.ndarray):
@@ -134,8 +145,8 @@ def _check_tensor(path: KeyPath, t: torch.Tensor) -> None:
     if t.device.type == "meta" or t.is_nested or getattr(t, "is_quantized", False):
         raise TypeError(f"unsupported tensor at {path_str(path)} (meta, nested or quantized)")
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
-        # DTensor and other subclasses need their own sharding metadata: refuse rather than save a local shard
-        # silently as if it were the whole tensor.
+        # subclasses other than DTensor (handled above) may carry meaning their bytes do not: refuse rather
+        # than save them silently as plain tensors.
         raise TypeError(f"unsupported tensor subclass {type(t).__name__} at {path_str(path)}")
 
 

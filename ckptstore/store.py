@@ -19,14 +19,17 @@ from typing import Any, Dict, Iterable, List, Mapping, MutableMapping, Optional
 from . import __version__
 from .blobs import CODECS, BlobStore
 from .catalog import Catalog
+from .collective import default_coordinator
+from .commit import agree_commit, make_part, root_identity
 from .errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from .gc import GCReport, collect
 from .index import ChunkIndex
 from .layout import check_step, manifest_path
-from .manifest import Commit, Manifest, ManifestNode, ArrayEntry
+from .manifest import Commit, Manifest, ManifestNode, ArrayEntry, encode_commit
 from .packs import PackBuffers, Packing, ReadItem, read_chunks
 from .pointers import read_latest, write_latest, clear_latest
 from .reader import MapLocation, read_nodes
+from .restore import StepLoader
 from .resolve import candidates, split_load_path
 from .retention import RetentionPolicy
 from .retry import RetryPolicy
@@ -159,12 +162,13 @@ class Store:
                  config_may_change: Iterable[str] = (), rank: Optional[int] = None,
                  world_size: Optional[int] = None, chunk_size: int = DEFAULT_CHUNK_SIZE, codec: str = "raw",
                  zstd_level: int = 1, workers: int = 4, keep_last: Optional[int] = None,
-                 keep_every: Optional[int] = None, direct_io: bool = True, commit_timeout: float = 600.0,
+                 keep_every: Optional[int] = None, direct_io: bool = True, collective_timeout: float = 600.0,
                  storage_options: Optional[Mapping[str, Any]] = None, create: bool = True,
                  track_versions: bool = True, remote: Optional[str] = None, load_path: Optional[str] = None,
                  load_components: Optional[Iterable[str]] = None, keep_local: Optional[int] = None,
                  upload_workers: int = 8, upload_retry: Optional[RetryPolicy] = None, upload_backlog: int = 8,
-                 upload: bool = True, packing: Optional[Packing] = None):
+                 upload: bool = True, packing: Optional[Packing] = None,
+                 commit_timeout: Optional[float] = None):
         if codec not in CODECS:
             raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
         if not isinstance(chunk_size, int) or chunk_size < 4096:
@@ -185,7 +189,10 @@ class Store:
         self._index = ChunkIndex(self.storage, self.blobs)
         self._pack_buffers = PackBuffers()
         self.retention = RetentionPolicy(keep_last, keep_every)
-        self.commit_timeout = commit_timeout
+        self.collective_timeout = float(commit_timeout if commit_timeout is not None else collective_timeout)
+        if not self.collective_timeout > 0:
+            raise ValueError(f"collective_timeout must be > 0 seconds, got {collective_timeout!r}")
+        self._coord = default_coordinator(self.rank, self.world_size)
         self.track_versions = track_versions
         # The I/O pool serves blocking saves and loads too, which the caller waits for: normal priority. The
         # background save driver and the uploader run niced (see ckptstore.threads); a non-blocking save's
@@ -242,17 +249,23 @@ class Store:
         t0 = time.perf_counter()
         check_step(step)
         metrics = normalize(metrics or {}, "metrics")
-        self._index.prepare(self.catalog, self.rank)   # before the snapshot: it decides what is unchanged
-        gc_was_enabled = gc.isenabled()
-        gc.disable()              # the snapshot is short and allocation-heavy: no heap-wide GC pass mid-stall
+        tag = self._coord.next_tag(f"save/{step}") if self._coord is not None else None
         try:
-            nodes, stateful, specs = self._snapshot(state, blocking)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
+            self._index.prepare(self.catalog, self.rank)   # before the snapshot: it decides what is unchanged
+            gc_was_enabled = gc.isenabled()
+            gc.disable()          # the snapshot is short and allocation-heavy: no heap-wide GC pass mid-stall
+            try:
+                nodes, stateful, specs = self._snapshot(state, blocking)
+            finally:
+                if gc_was_enabled:
+                    gc.enable()
+        except BaseException as e:
+            if tag is not None:                       # the other ranks must learn it: they raise too
+                self._commit(step, None, 0, metrics, tag=tag, error=e)
+            raise
         t_snap = time.perf_counter()
         job = functools.partial(self._write_and_commit, step, nodes, stateful, specs, metrics, t0,
-                                None if blocking else t_snap - t0, self._pool if blocking else self._bg_pool)
+                                None if blocking else t_snap - t0, self._pool if blocking else self._bg_pool, tag)
         if blocking:
             return job()
         handle = SaveHandle(step, self._bg.submit(job), stall_seconds=t_snap - t0)
@@ -279,22 +292,28 @@ class Store:
             self._staging.stage(to_copy, live_paths=[s.path for s in specs])
         return nodes, stateful, specs
 
-    def _write_and_commit(self, step, nodes, stateful, specs, metrics, t0, stall, pool) -> SaveResult:
+    def _write_and_commit(self, step, nodes, stateful, specs, metrics, t0, stall, pool, tag=None) -> SaveResult:
         t_start = time.perf_counter()
         with self._maint:
-            return self._write_and_commit_locked(step, nodes, stateful, specs, metrics, t0, stall, t_start, pool)
+            return self._write_and_commit_locked(step, nodes, stateful, specs, metrics, t0, stall, t_start, pool,
+                                                 tag)
 
-    def _write_and_commit_locked(self, step, nodes, stateful, specs, metrics, t0, stall, t_start, pool):
+    def _write_and_commit_locked(self, step, nodes, stateful, specs, metrics, t0, stall, t_start, pool, tag):
         try:
-            self._prepare_step(step)
-            refs, stats = write_arrays(self.blobs, specs, chunk_size=self.chunk_size, codec=self.codec,
-                                       level=self.zstd_level, executor=pool, packing=self.packing,
-                                       index=self._index, buffers=self._pack_buffers)
-            t_blobs = time.perf_counter()
-            manifest = Manifest(step=step, rank=self.rank, world_size=self.world_size, stateful=stateful,
-                                nodes=self._manifest_nodes(nodes, specs, refs))
-            digest = self.catalog.write_manifest(manifest)
-            committed = self._commit(step, digest, manifest.bytes_total, metrics)
+            try:
+                self._prepare_step(step)
+                refs, stats = write_arrays(self.blobs, specs, chunk_size=self.chunk_size, codec=self.codec,
+                                           level=self.zstd_level, executor=pool, packing=self.packing,
+                                           index=self._index, buffers=self._pack_buffers)
+                t_blobs = time.perf_counter()
+                manifest = Manifest(step=step, rank=self.rank, world_size=self.world_size, stateful=stateful,
+                                    nodes=self._manifest_nodes(nodes, specs, refs))
+                digest = self.catalog.write_manifest(manifest)
+            except BaseException as e:
+                if tag is not None:                   # tell the other ranks; raises CommitError from e
+                    self._commit(step, None, 0, metrics, tag=tag, error=e)
+                raise
+            committed = self._commit(step, digest, manifest.bytes_total, metrics, tag=tag)
         except BaseException:
             self._versions.clear()
             self._index.clear()
@@ -302,7 +321,7 @@ class Store:
         self._versions.record(specs, refs)
         self._index.replace(r for per_spec in refs for r in per_spec)
         t_commit = time.perf_counter()
-        if committed and self.rank == 0:
+        if committed:
             self._apply_retention(step, since=t0)
             if self._uploader is not None:
                 self._uploader.enqueue(step)
@@ -333,12 +352,14 @@ class Store:
     def _manifest_nodes(nodes: List[Node], specs: List[ArraySpec], refs) -> List[ManifestNode]:
         out, it = [], iter(zip(specs, refs))
         for n in nodes:
-            if n.kind in ("tensor", "ndarray", "npscalar"):
+            kind = n.kind
+            if kind in ("tensor", "ndarray", "npscalar"):
                 spec, chunks = next(it)
-                payload = ArrayEntry(spec.dtype, spec.shape, chunks, spec.device, spec.requires_grad)
+                payload = ArrayEntry(spec.dtype, spec.shape, chunks, spec.device, spec.requires_grad, n.shard)
+                kind = "dtensor" if n.shard is not None else kind
             else:
                 payload = n.value
-            out.append(ManifestNode(n.path, n.kind, payload))
+            out.append(ManifestNode(n.path, kind, payload))
         return out
 
     def _prepare_step(self, step: int) -> None:
@@ -367,31 +388,51 @@ class Store:
         if latest is None or latest <= step or not self.catalog.is_committed(latest):
             write_latest(self.storage, step)
 
-    def _commit(self, step: int, own_digest, bytes_total: int, metrics) -> bool:
-        """Rank 0 writes the commit marker once all ranks' manifests exist, then moves the latest pointer."""
-        dist = _dist_if_initialized(self.world_size)
-        if dist is not None:
-            dist.barrier()
+    def _commit(self, step: int, own_digest, bytes_total: int, metrics, *, tag=None,
+                error: Optional[BaseException] = None) -> bool:
+        """Make ``step`` visible. Returns whether this rank wrote a commit marker (and so applies retention to
+        its root). Under ``torch.distributed`` the ranks agree first (see :mod:`ckptstore.commit`): rank 0
+        commits only when every rank's part is durable, and every rank raises ``CommitError`` otherwise
+        (``error``: this rank's own failure, re-raised as the cause). Without a process group, rank 0 waits
+        for the other ranks' manifest files in the shared root."""
+        if tag is not None:
+            part = make_part(own_digest, bytes_total, error,
+                             root_identity(self.storage.local_path("")))
+
+            def write_commit(manifests, total):
+                commit = self._new_commit(step, manifests, total, metrics)
+                data = encode_commit(commit)
+                self.catalog.write_commit_bytes(step, data)
+                self._point_to_if_newest(step)
+                return data
+
+            def write_copy(data):
+                self.catalog.write_commit_bytes(step, data)
+                self._point_to_if_newest(step)
+            try:
+                return agree_commit(self._coord, tag, step, part, timeout=self.collective_timeout,
+                                    write_commit=write_commit, write_copy=write_copy)
+            except CheckpointError as e:
+                raise e from error
         if self.rank != 0:
-            if dist is not None:
-                dist.barrier()
-            return dist is not None
+            return False
         manifests = {0: own_digest}
-        deadline = time.monotonic() + self.commit_timeout
+        deadline = time.monotonic() + self.collective_timeout
         for r in range(1, self.world_size):
             while not self.storage.exists(manifest_path(step, r)):
                 if time.monotonic() > deadline:
                     raise CheckpointError(f"step {step}: rank {r} wrote no manifest within "
-                                          f"{self.commit_timeout:.0f} s; the step is left uncommitted")
+                                          f"{self.collective_timeout:.0f} s; the step is left uncommitted")
                 time.sleep(0.05)
             manifests[r] = self.catalog.manifest_digest(step, r)
-        self.catalog.write_commit(Commit(step=step, world_size=self.world_size, manifests=manifests,
-                                         created=time.time(), bytes_total=bytes_total, metrics=dict(metrics),
-                                         config=self.config, writer=f"ckptstore {__version__}"))
+        self.catalog.write_commit(self._new_commit(step, manifests, bytes_total, metrics))
         self._point_to_if_newest(step)
-        if dist is not None:
-            dist.barrier()
         return True
+
+    def _new_commit(self, step, manifests, bytes_total, metrics) -> Commit:
+        return Commit(step=step, world_size=self.world_size, manifests=manifests, created=time.time(),
+                      bytes_total=bytes_total, metrics=dict(metrics), config=self.config,
+                      writer=f"ckptstore {__version__}")
 
     def _apply_retention(self, step: int, since: float) -> None:
         protected = set(self._uploader.pending()) if self._uploader is not None else set()
@@ -452,17 +493,21 @@ class Store:
     def _world_size_error(self, commit: Commit) -> IncompatibleCheckpointError:
         return IncompatibleCheckpointError(
             f"checkpoint was written by world_size={commit.world_size}, this run has "
-            f"world_size={self.world_size} (resharding is not supported yet)", step=commit.step)
+            f"world_size={self.world_size}: load() reads one rank's part; resume() reshards", step=commit.step)
 
     def _read(self, step: int, *, map_location: MapLocation, rank: Optional[int] = None) -> Dict[str, Any]:
-        """One rank's part of a committed step as a nested dict. A single-process store may read any rank's
-        part (inspection); a rank of a run reads its own part only if the world size matches."""
+        """One rank's part of a committed step as a nested dict, sharded values as full tensors. A
+        single-process store may read any rank's part (inspection); a rank of a run reads its own part only if
+        the world size matches."""
         commit = self.catalog.read_commit(step)
         rank = self.rank if rank is None else rank
         if commit.world_size != self.world_size and rank == self.rank and self.world_size != 1:
             raise self._world_size_error(commit)
-        manifest = self.catalog.read_manifest(commit, rank)
-        return unflatten(self._read_nodes(self.blobs, manifest, map_location=map_location))
+        if not 0 <= rank < commit.world_size:
+            raise CheckpointError(f"step {step} was written by world_size={commit.world_size}: no rank {rank}")
+        loader = StepLoader(self.catalog, self.blobs, commit, rank=rank, world_size=commit.world_size,
+                            executor=self._pool, read_nodes=self._read_nodes)
+        return loader.load(loader.saved_keys(), {}, map_location=map_location)
 
     def load(self, step: Optional[int] = None, map_location: MapLocation = "cpu", *,
              rank: Optional[int] = None) -> Dict[str, Any]:
@@ -547,19 +592,20 @@ class Store:
                  f" or {self.remote_storage.url}" if self.remote_storage is not None else "")
         return None
 
-    def _restore(self, state, catalog, blobs, step, *, strict, check_config, components=None) -> None:
-        """Load ``step`` from ``catalog`` / ``blobs`` and apply it to ``state``; nothing is applied unless every
-        byte loaded and verified. Raises Corrupt/IncompatibleCheckpointError."""
+    def _restore(self, state, catalog, blobs, step, *, strict, check_config, components=None,
+                 rank_local: str = "error") -> None:
+        """Load ``step`` from ``catalog`` / ``blobs`` and apply it to ``state`` (see :mod:`ckptstore.restore`):
+        plain values are applied only once every byte is loaded and verified; DTensor targets are filled in
+        place. Raises Corrupt/IncompatibleCheckpointError."""
         commit = catalog.read_commit(step)
         if check_config:
             diffs = differences(commit.config, self.config, self.config_may_change)
             if diffs:
                 raise IncompatibleCheckpointError("run config differs from the checkpoint's", step=step,
                                                   differing=diffs)
-        if commit.world_size != self.world_size:
-            raise self._world_size_error(commit)
-        manifest = catalog.read_manifest(commit, self.rank)
-        saved_keys = {n.path[0] for n in manifest.nodes if len(n.path) == 1}
+        loader = StepLoader(catalog, blobs, commit, rank=self.rank, world_size=self.world_size,
+                            executor=self._pool, read_nodes=self._read_nodes)
+        saved_keys = loader.saved_keys()
         if components is not None:
             missing = (set(components) - saved_keys) | (set(components) - set(state))
             if missing:
@@ -572,8 +618,10 @@ class Store:
                                                   "to load the common keys)", step=step, missing=missing,
                                                   unexpected=unexpected)
             wanted = set(state) & saved_keys
-        nodes = self._read_nodes(blobs, manifest, map_location=None, select=lambda p: p[0] in wanted)
-        loaded = unflatten(nodes)
+        sharded = {n.path[0] for n in loader.base.nodes if n.kind == "dtensor"}
+        targets = {k: (state[k].state_dict() if is_stateful(state[k]) and (k in sharded or rank_local == "fresh")
+                       else state[k]) for k in wanted}
+        loaded = loader.load(wanted, targets, rank_local=rank_local)
         for key in list(state):
             if key not in loaded:
                 continue

@@ -1,0 +1,255 @@
+"""Reading a committed step for one rank of the current run, whatever world size and mesh wrote it.
+
+:class:`StepLoader` turns a step's manifests into the values ``resume`` / ``load`` apply:
+
+* **plain values and tensors** come from one manifest: this rank's when the world size is unchanged, else
+  rank 0's. With a changed world size, values that differ between the saved ranks are *rank-local* (per-rank
+  RNG, data-loader position): ``rank_local="error"`` (default) raises ``IncompatibleCheckpointError`` naming
+  them and both world sizes; ``"fresh"`` leaves them as they are in the target (logged). Values equal on every
+  saved rank load on any world size. Everything here is read into fresh buffers and verified before anything
+  is applied.
+* **sharded values** (saved from DTensors): each target is filled from the saved shards that overlap it
+  (:mod:`ckptstore.sharding`): a DTensor target **in place** (its local shard under its current mesh and
+  placements), any other target as a new full tensor. Only the chunks holding the overlaps are read (ranged),
+  each verified; extra memory is a few chunks. Other ranks' manifests are read only when this rank's own
+  shards do not cover its targets (a changed world size or mesh).
+
+In-place fills are the one exception to "apply nothing before everything is verified" (the price of not
+holding a second copy of the model): a damaged chunk found halfway leaves some DTensor targets filled from the
+step being read, and the caller must then load another step into them (resume falls back to an older step;
+when none is valid it raises rather than start fresh). Plain values are still applied only after all reads.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import OrderedDict
+from concurrent.futures import Executor
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
+
+import torch
+
+from .errors import CorruptCheckpointError, IncompatibleCheckpointError
+from .manifest import ARRAY_KINDS, CONTAINER_KINDS, Commit, Manifest
+from .packs import ReadItem, read_chunks
+from .sharding import SavedShard, ShardIndex, fill, is_dtensor, target_box
+from .state import TORCH_DTYPES, KeyPath, Node, path_str
+
+log = logging.getLogger("ckptstore")
+
+RANK_LOCAL_MODES = ("error", "fresh")
+
+
+class SpanReader:
+    """Verified byte ranges of a saved array: reads the chunks covering ``[lo, hi)`` (whole chunks, since a
+    chunk is verified against its id as a whole), keeping the last ``keep`` chunks for the next slab."""
+
+    def __init__(self, blobs, executor: Executor, step: int, keep: int = 4):
+        self.blobs, self.executor, self.step, self.keep = blobs, executor, step, keep
+        self._cache: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+        self._starts: Dict[int, List[int]] = {}
+
+    def _chunk(self, c, key: str) -> torch.Tensor:
+        hit = self._cache.get(c.blob_id)
+        if hit is not None:
+            self._cache.move_to_end(c.blob_id)
+            return hit
+        buf = torch.empty(c.nbytes, dtype=torch.uint8)
+        mv = memoryview(buf.numpy()).cast("B")
+        if c.pack is not None:
+            for f in read_chunks(self.blobs.storage, [ReadItem(c, mv, self.step, key)], executor=self.executor):
+                f.result()
+        else:
+            self.blobs.read_into(c.blob_id, c.codec, mv, step=self.step, key=key)
+        self._cache[c.blob_id] = buf
+        while len(self._cache) > self.keep:
+            self._cache.popitem(last=False)
+        return buf
+
+    def read(self, entry, key: str, lo: int, hi: int) -> torch.Tensor:
+        starts = self._starts.get(id(entry))
+        if starts is None:
+            starts, acc = [], 0
+            for c in entry.chunks:
+                starts.append(acc)
+                acc += c.nbytes
+            self._starts[id(entry)] = starts
+        first = bisect.bisect_right(starts, lo) - 1
+        parts, pos = [], starts[first]
+        i = first
+        while pos < hi:
+            c = entry.chunks[i]
+            parts.append(self._chunk(c, key))
+            pos += c.nbytes
+            i += 1
+        data = parts[0] if len(parts) == 1 else torch.cat(parts)
+        base = starts[first]
+        return data[lo - base: hi - base]
+
+
+def tensor_leaves(obj: Any, path: KeyPath = ()) -> Dict[KeyPath, Any]:
+    """Every tensor (DTensors included) in a nested dict / list / tuple, by key path."""
+    out: Dict[KeyPath, Any] = {}
+    stack = [(path, obj)]
+    while stack:
+        p, v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            out[p] = v
+        elif isinstance(v, Mapping):
+            stack.extend((p + (k,), x) for k, x in v.items())
+        elif isinstance(v, (list, tuple)):
+            stack.extend((p + (i,), x) for i, x in enumerate(v))
+    return out
+
+
+def value_at(obj: Any, path: KeyPath):
+    """``(True, value)`` at ``path`` inside nested containers, ``(False, None)`` when absent."""
+    for k in path:
+        try:
+            obj = obj[k]
+        except (KeyError, IndexError, TypeError):
+            return False, None
+    return True, obj
+
+
+class StepLoader:
+    """One committed step, read for ``rank`` of a run of ``world_size`` (see the module docstring)."""
+
+    def __init__(self, catalog, blobs, commit: Commit, *, rank: int, world_size: int, executor: Executor,
+                 read_nodes: Callable[..., List[Node]]):
+        self.catalog, self.blobs, self.commit = catalog, blobs, commit
+        self.rank, self.world_size, self.executor = rank, world_size, executor
+        self._read_nodes = read_nodes
+        self.same_world = commit.world_size == world_size
+        self._manifests: Dict[int, Manifest] = {}
+        self._by_path: Optional[Dict[KeyPath, List[SavedShard]]] = None
+
+    def manifest(self, r: int) -> Manifest:
+        m = self._manifests.get(r)
+        if m is None:
+            m = self._manifests[r] = self.catalog.read_manifest(self.commit, r)
+        return m
+
+    @property
+    def base(self) -> Manifest:
+        """The manifest plain values come from: this rank's (same world size) or rank 0's."""
+        return self.manifest(self.rank if self.same_world else 0)
+
+    def saved_keys(self) -> Set[str]:
+        return {n.path[0] for n in self.base.nodes if len(n.path) == 1}
+
+    def rank_local_paths(self, wanted: Set[str]) -> List[KeyPath]:
+        """Top-most paths under ``wanted`` whose plain values or structure differ between the saved ranks."""
+        if self.same_world:
+            return []
+        sigs = [_signatures(self.manifest(r), wanted) for r in range(self.commit.world_size)]
+        paths = set().union(*(s.keys() for s in sigs))
+        differ = sorted((p for p in paths if len({s.get(p) for s in sigs}) > 1), key=lambda p: (len(p), p))
+        top: List[KeyPath] = []
+        for p in differ:
+            if not any(p[:len(q)] == q for q in top):
+                top.append(p)
+        return top
+
+    def _shards(self, path: KeyPath) -> List[SavedShard]:
+        """Every saved shard of ``path`` over all ranks' manifests, this rank's first (read once, lazily)."""
+        if self._by_path is None:
+            by: Dict[KeyPath, List[SavedShard]] = {}
+            order = list(range(self.commit.world_size))
+            if self.rank in order:
+                order.remove(self.rank)
+                order.insert(0, self.rank)
+            for r in order:
+                for n in self.manifest(r).nodes:
+                    if n.kind == "dtensor":
+                        e = n.payload
+                        by.setdefault(n.path, []).append(SavedShard((e.shard.offset, e.shape), e, r))
+            self._by_path = by
+        return self._by_path.get(path, [])
+
+    def load(self, wanted: Set[str], targets: Mapping[str, Any], *, rank_local: str = "error",
+             map_location=None) -> Dict[str, Any]:
+        """The values of the top-level keys ``wanted``, as nested dicts; DTensor leaves of ``targets`` (top key
+        -> the tree a Stateful's ``state_dict()`` returned, or the value in ``state``) are filled in place and
+        returned as themselves. Raises ``CorruptCheckpointError`` / ``IncompatibleCheckpointError``."""
+        if rank_local not in RANK_LOCAL_MODES:
+            raise ValueError(f"rank_local must be one of {RANK_LOCAL_MODES}, got {rank_local!r}")
+        base, step = self.base, self.commit.step
+        fresh = self.rank_local_paths(wanted)
+        if fresh and rank_local == "error":
+            raise IncompatibleCheckpointError(
+                f"rank-local values differ between the {self.commit.world_size} saved ranks and cannot be split "
+                f"over world_size={self.world_size}: {', '.join(path_str(p) for p in fresh)} (saved by "
+                f"world_size={self.commit.world_size}; pass resume(..., rank_local=\"fresh\") to keep this run's "
+                "values for them and load the rest)", step=step)
+        if fresh:
+            log.warning("step %d: world size %d -> %d: keeping this run's values for the rank-local keys %s",
+                        step, self.commit.world_size, self.world_size, [path_str(p) for p in fresh])
+        leaves = {k: tensor_leaves(v, (k,)) for k, v in targets.items()}
+
+        def under_fresh(p):
+            return any(p[:len(q)] == q for q in fresh)
+        keep, sharded = [], []
+        for n in base.nodes:
+            if n.path and n.path[0] not in wanted:
+                continue
+            if under_fresh(n.path):
+                if n.path in fresh:
+                    found, value = value_at(targets.get(n.path[0]), n.path[1:]) if n.path[0] in targets \
+                        else (False, None)
+                    if found:
+                        keep.append(n.__class__(n.path, "value", value))
+                continue
+            if n.kind == "dtensor":
+                sharded.append((len(keep), n))
+                keep.append(n.__class__(n.path, "value", None))
+            else:
+                keep.append(n)
+        plain = Manifest(step=step, rank=base.rank, world_size=base.world_size, stateful=base.stateful, nodes=keep)
+        nodes = self._read_nodes(self.blobs, plain, map_location=map_location)     # all verified, none applied
+        if sharded:
+            reader = SpanReader(self.blobs, self.executor, step)
+            for i, n in sharded:
+                target = leaves.get(n.path[0], {}).get(n.path)
+                nodes[i] = Node(n.path, "tensor", self._fill(n, target, reader))
+        from .state import unflatten
+        return unflatten(nodes)
+
+    def _fill(self, n, target, reader: SpanReader):
+        entry, key = n.payload, path_str(n.path)
+        g = entry.shard.global_shape
+        dtype = TORCH_DTYPES[entry.dtype]
+        if is_dtensor(target):
+            if tuple(target.shape) != g or target.dtype != dtype:
+                raise IncompatibleCheckpointError(
+                    f"{key}: checkpoint holds {entry.dtype} of global shape {list(g)}, the target is "
+                    f"{str(target.dtype).replace('torch.', '')} of shape {list(target.shape)}", step=self.commit.step)
+            dst, box = target.to_local(), target_box(target)
+        else:
+            dst, box = torch.empty(g, dtype=dtype), ((0,) * len(g), tuple(g))
+        own = entry if self.same_world else None
+        if own is not None and (own.shard.offset, own.shape) == box:
+            overlaps = [(SavedShard(box, own, self.rank), box)]
+        else:
+            index = ShardIndex(g, self._shards(n.path))
+            overlaps = index.overlapping(box)
+            index.check_covers(box, overlaps, key)
+        for shard, region in overlaps:
+            fill(dst, box, shard, region, lambda e, lo, hi: reader.read(e, key, lo, hi))
+        return target if is_dtensor(target) else dst
+
+
+def _signatures(m: Manifest, wanted: Set[str]) -> Dict[KeyPath, Any]:
+    """path -> what must be equal across ranks for a non-sharded value to load on another world size."""
+    out: Dict[KeyPath, Any] = {}
+    for n in m.nodes:
+        if not n.path or n.path[0] not in wanted or n.kind == "dtensor":
+            continue
+        if n.kind in ARRAY_KINDS:
+            e = n.payload
+            out[n.path] = (n.kind, e.dtype, tuple(e.shape), tuple(c.blob_id for c in e.chunks))
+        elif n.kind in CONTAINER_KINDS:
+            out[n.path] = (n.kind, n.payload if n.kind != "dict" else None)
+        else:
+            out[n.path] = (n.kind, repr(n.payload))
+    return out
