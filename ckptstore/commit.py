@@ -10,8 +10,9 @@ Protocol for one ``save`` under ``torch.distributed`` (``tag`` is the save's key
    root and moves its latest pointer; otherwise it settles ``"abort"``. It broadcasts the verdict: committed
    or not, each failing rank with its error, the commit marker's bytes, and the *leaders*: the lowest rank of
    every other root (node-local disks), which write the same commit marker into their own root.
-3. A rank whose verdict does not come within the deadline tries to settle the save as ``"abort"``. If rank 0
-   settled ``"commit"`` first, the rank waits for the verdict after all (the marker is being written);
+3. A rank whose verdict does not come within the deadline (plus a slack: rank 0 may have started later) tries
+   to settle the save as aborted by itself. If rank 0 settled first (commit or abort), the rank waits for the
+   verdict after all (it is coming);
    otherwise the save is aborted and rank 0, settling later, finds ``"abort"`` and does not commit. So no rank
    ever reports a failure for a step that gets committed, or success for one that does not.
 
@@ -95,7 +96,7 @@ def agree_commit(coord: Coordinator, tag: str, step: int, part: Dict[str, Any], 
                 except Exception as e:
                     failures[0] = f"writing the commit marker: {type(e).__name__}: {e}"
         else:
-            coord.decide(tag, "abort")
+            coord.decide(tag, "abort:0")
         verdict = {"committed": not failures, "failures": {str(k): v for k, v in failures.items()},
                    "commit": marker, "leaders": _leaders(parts) if parts is not None and not failures else []}
         coord.broadcast(f"{tag}/verdict", verdict, timeout)
@@ -110,14 +111,22 @@ def agree_commit(coord: Coordinator, tag: str, step: int, part: Dict[str, Any], 
 
 
 def _await_verdict(coord: Coordinator, tag: str, timeout: float) -> Dict[str, Any]:
+    # rank 0 may start gathering later than this rank did and waits ``timeout`` itself: allow it that, plus
+    # the time to write the marker, before suspecting rank 0
+    slack = max(5.0, 0.25 * timeout)
     try:
-        return coord.broadcast(f"{tag}/verdict", None, timeout)
+        return coord.broadcast(f"{tag}/verdict", None, timeout + slack)
     except CollectiveTimeout:
-        if coord.decide(tag, "abort") == "abort":
+        mine = f"abort:{coord.rank}"
+        try:
+            settled = coord.decide(tag, mine)
+        except Exception as e:                      # the key-value store itself is gone (rank 0's process)
+            return {"committed": False, "failures": {"0": f"unreachable ({type(e).__name__}: {e})"[:500]}}
+        if settled == mine:
             return {"committed": False,
-                    "failures": {"0": f"gave no verdict within {timeout:.0f} s (stalled or dead)"}}
-        log.warning("rank 0 is committing the step: waiting for its verdict")
-        return coord.broadcast(f"{tag}/verdict", None, timeout)
+                    "failures": {"0": f"gave no verdict within {timeout + slack:.0f} s (stalled or dead)"}}
+        log.warning("rank 0 has settled the save: waiting for its verdict")
+        return coord.broadcast(f"{tag}/verdict", None, timeout + slack)
 
 
 def _leaders(parts: List[Dict[str, Any]]) -> List[int]:

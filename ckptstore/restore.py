@@ -123,6 +123,7 @@ class StepLoader:
         self.same_world = commit.world_size == world_size
         self._manifests: Dict[int, Manifest] = {}
         self._by_path: Optional[Dict[KeyPath, List[SavedShard]]] = None
+        self.touched = False                        # some DTensor target was written in place
 
     def manifest(self, r: int) -> Manifest:
         m = self._manifests.get(r)
@@ -225,6 +226,7 @@ class StepLoader:
                     f"{key}: checkpoint holds {entry.dtype} of global shape {list(g)}, the target is "
                     f"{str(target.dtype).replace('torch.', '')} of shape {list(target.shape)}", step=self.commit.step)
             dst, box = target.to_local(), target_box(target)
+            self.touched = True
         else:
             dst, box = torch.empty(g, dtype=dtype), ((0,) * len(g), tuple(g))
         own = entry if self.same_world else None

@@ -213,6 +213,7 @@ class Store:
         self.keep_local = keep_local
         #: where the last resume() came from: {"tier": "local"|"remote"|"load_path", "step": int, "url": str}
         self.resumed_from: Optional[Dict[str, Any]] = None
+        self._touched = False                       # DTensor targets written in place by a resume attempt
         self.remote_storage: Optional[Storage] = None
         self._uploader: Optional[Uploader] = None
         self._upload_retry = upload_retry or RetryPolicy()
@@ -281,7 +282,9 @@ class Store:
                 continue
             spec = spec_of(node)
             specs.append(spec)
-            if node.kind == "tensor" and self.track_versions:
+            # A DTensor's local shard is never proven unchanged by its version counter: FSDP2 updates it
+            # through views whose counters it does not share (measured: a stale shard was reused).
+            if node.kind == "tensor" and self.track_versions and node.shard is None:
                 spec.known = self._versions.lookup(spec, node.value, self._index)
             if spec.known is None:
                 if blocking:
@@ -531,7 +534,8 @@ class Store:
                 log.warning("step %d is corrupt, trying an older one: %s", s, e)
         raise FileNotFoundError(f"no valid committed step in {self.root}")
 
-    def resume(self, state: MutableMapping[str, Any], *, strict: bool = True) -> Optional[int]:
+    def resume(self, state: MutableMapping[str, Any], *, strict: bool = True,
+               rank_local: str = "error") -> Optional[int]:
         """Restore ``state`` from the freshest valid checkpoint; return its step, or ``None`` (fresh start).
 
         Tiers, each fallback logged with its reason: (1) local committed steps and (2) remote committed steps,
@@ -545,52 +549,109 @@ class Store:
         (tensors go back to the device they were saved from when it exists here, else CPU). ``strict=False``
         loads only the top-level keys present in both ``state`` and the checkpoint.
 
+        **Under torch.distributed** ``resume`` is collective: rank 0 lists the candidate steps once and
+        broadcasts them; for each, every rank loads its part (pulling it from the remote when its own root
+        lacks it) and the ranks agree: a step damaged for one rank falls back for all. DTensor targets (in
+        what each Stateful's ``state_dict()`` returns) are filled in place with the bytes their current sharding
+        needs, whatever world size and mesh saved the step (see :mod:`ckptstore.restore`). Values that differ
+        between the saved ranks and are not DTensors are *rank-local*: with another world size, ``rank_local=
+        "error"`` (default) raises ``IncompatibleCheckpointError`` naming them and both world sizes, and
+        ``rank_local="fresh"`` keeps this run's values for them (logged) and loads the rest.
+
         Raises ``IncompatibleCheckpointError`` when the run config differs (see ``config_may_change``), the
-        top-level keys differ (``strict``), the world size differs, or the format is newer than this library.
+        top-level keys differ (``strict``), rank-local values meet another world size, or the format is newer
+        than this library; ``CheckpointError`` when DTensor targets were partly filled from a step found
+        damaged and no valid step remains to load into them.
         """
         self._check_open()
         self.wait()
         self.resumed_from = None
+        self._touched = False
         remote_catalog = Catalog(self.remote_storage) if self.remote_storage is not None else None
-        pulled = set()
-        try:
-            tiers = list(candidates(self.catalog, remote_catalog))
-        except Exception as e:                        # an unreachable remote must not block a local resume
-            log.warning("remote %s unreachable (%s: %s): resuming from local steps only", self.remote_storage.url,
-                        type(e).__name__, e)
-            remote_catalog, tiers = None, [(s, "local") for s in reversed(self.catalog.committed_steps())]
-        for step, tier in tiers:
-            if tier == "remote":
-                try:
-                    self._pull(step)
-                    pulled.add(step)
-                except CheckpointError as e:
-                    log.warning("cannot pull step %d from %s, trying an older step: %s", step,
-                                self.remote_storage.url, e)
-                    continue
+        pulled: set = set()
+        tag = self._coord.next_tag("resume") if self._coord is not None else None
+        if tag is None or self.rank == 0:
             try:
-                self._restore(state, self.catalog, self.blobs, step, strict=strict, check_config=True)
-            except CorruptCheckpointError as e:
-                if remote_catalog is None or step in pulled or not _quiet(lambda: remote_catalog.is_committed(step)):
-                    log.warning("cannot resume from step %d, trying an older step: %s", step, e)
-                    continue
-                log.warning("local step %d is damaged (%s): repairing it from %s", step, e, self.remote_storage.url)
-                try:
-                    self._pull(step)
-                    self._restore(state, self.catalog, self.blobs, step, strict=strict, check_config=True)
-                    tier = "remote"
-                except CheckpointError as e2:
-                    log.warning("cannot resume from step %d, trying an older step: %s", step, e2)
-                    continue
+                tiers = list(candidates(self.catalog, remote_catalog))
+            except Exception as e:                    # an unreachable remote must not block a local resume
+                log.warning("remote %s unreachable (%s: %s): resuming from local steps only",
+                            self.remote_storage.url, type(e).__name__, e)
+                remote_catalog, tiers = None, [(s, "local") for s in reversed(self.catalog.committed_steps())]
+        if tag is not None:                           # discovery once: rank 0 lists, every rank follows
+            got = self._coord.broadcast(f"{tag}/steps", {"steps": tiers if self.rank == 0 else None},
+                                        self.collective_timeout)
+            tiers = [tuple(t) for t in got["steps"]]
+        for i, (step, tier) in enumerate(tiers):
+            error, fatal = None, False
+            try:
+                tier = self._resume_step(state, step, tier, remote_catalog, pulled, strict, rank_local)
+            except IncompatibleCheckpointError as e:
+                error, fatal = e, True
+            except CheckpointError as e:
+                error = e
+            if tag is not None:
+                error, fatal = self._agree_outcome(f"{tag}/{i}", step, error, fatal)
+            if fatal:
+                raise error
+            if error is not None:
+                log.warning("cannot resume from step %d, trying an older step: %s", step, error)
+                continue
             self.resumed_from = {"tier": tier, "step": step, "url": self.root if tier == "local" else
                                  self.remote_storage.url}
             log.info("resumed from step %d (%s)", step, tier)
             return step
+        if self._touched:
+            raise CheckpointError(f"no valid step left in {self.root} to load into the sharded (DTensor) values "
+                                  "that a damaged step partly overwrote: refusing a fresh start with them")
         if self.load_path is not None:
             return self._resume_from_load_path(state, strict)
         log.info("no valid checkpoint in %s%s: fresh start", self.root,
                  f" or {self.remote_storage.url}" if self.remote_storage is not None else "")
         return None
+
+    def _resume_step(self, state, step, tier, remote_catalog, pulled, strict, rank_local) -> str:
+        """Load ``step`` into ``state`` for this rank: pull it first when this root lacks it, repair it from
+        the remote when the local copy is damaged. Returns the tier it came from; raises CheckpointError."""
+        if not self.catalog.is_committed(step):
+            if remote_catalog is None:
+                raise CorruptCheckpointError("not committed in this rank's root and no remote to pull from",
+                                             step=step)
+            self._pull(step)
+            pulled.add(step)
+            tier = "remote"
+        try:
+            self._restore(state, self.catalog, self.blobs, step, strict=strict, check_config=True,
+                          rank_local=rank_local)
+            return tier
+        except CorruptCheckpointError as e:
+            if remote_catalog is None or step in pulled or not _quiet(lambda: remote_catalog.is_committed(step)):
+                raise
+            log.warning("local step %d is damaged (%s): repairing it from %s", step, e, self.remote_storage.url)
+            self._pull(step)
+            self._restore(state, self.catalog, self.blobs, step, strict=strict, check_config=True,
+                          rank_local=rank_local)
+            return "remote"
+
+    def _agree_outcome(self, tag, step, error, fatal):
+        """Every rank's outcome for ``step`` -> rank 0 -> the same answer everywhere: ``(None, False)`` when
+        all loaded it, else the first failing rank's error (fatal if any rank's was fatal)."""
+        msg = {"ok": error is None, "fatal": fatal, "error": None if error is None else str(error)[:2000]}
+        try:
+            outcomes = self._coord.gather(f"{tag}/outcome", msg, self.collective_timeout)
+        except CheckpointError as e:                  # rank 0: some rank never answered
+            outcomes = [{"ok": False, "fatal": True, "error": str(e)}]
+        verdict = None
+        if self.rank == 0:
+            bad = [(r, o) for r, o in enumerate(outcomes) if not o["ok"]]
+            verdict = {"ok": not bad, "fatal": any(o["fatal"] for _, o in bad),
+                       "error": "; ".join(f"rank {r}: {o['error']}" for r, o in bad)[:8000]}
+        verdict = self._coord.broadcast(f"{tag}/verdict", verdict, self.collective_timeout)
+        if verdict["ok"]:
+            return None, False
+        if verdict["fatal"]:
+            return (error if fatal else IncompatibleCheckpointError(verdict["error"], step=step)), True
+        return (error or CorruptCheckpointError(f"another rank could not load it: {verdict['error']}",
+                                                step=step)), False
 
     def _restore(self, state, catalog, blobs, step, *, strict, check_config, components=None,
                  rank_local: str = "error") -> None:
@@ -621,7 +682,10 @@ class Store:
         sharded = {n.path[0] for n in loader.base.nodes if n.kind == "dtensor"}
         targets = {k: (state[k].state_dict() if is_stateful(state[k]) and (k in sharded or rank_local == "fresh")
                        else state[k]) for k in wanted}
-        loaded = loader.load(wanted, targets, rank_local=rank_local)
+        try:
+            loaded = loader.load(wanted, targets, rank_local=rank_local)
+        finally:
+            self._touched = self._touched or loader.touched
         for key in list(state):
             if key not in loaded:
                 continue
@@ -772,6 +836,7 @@ class Store:
                     self._uploader.close()
         finally:
             self._closed = True
+            self._coord = None                      # holds the process group's key-value store: let it go
             self._bg.shutdown(wait=True)
             self._bg_pool.shutdown(wait=True)
             self._pool.shutdown(wait=True)

@@ -1,0 +1,221 @@
+"""One rank of a small FSDP2 (or FSDP+TP) job on CPU/gloo, launched like torchrun by tests/dist.py.
+
+Modes (``--mode``):
+  train    train ``--steps`` steps, saving every step (resuming first); rank 0 appends ``step loss`` lines to
+           ``--log``. SIGKILL-safe: the log only gets a line after the step's save returned.
+  save     train ``--steps`` steps, save the last one, and write the full (consolidated) state to ``--full``.
+  load     resume into a fresh model/optimizer, write the full state to ``--full`` (and the step to stdout).
+  fail     save with one rank's Stateful raising (``--bad-rank``); print what each rank saw, as JSON.
+  stall    like fail, but the bad rank stops itself (SIGSTOP) inside its save.
+The model, data and optimizer are deterministic functions of the step, so every run agrees bit for bit.
+"""
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from ckptstore import Store
+from ckptstore.errors import CheckpointError
+
+
+class Net(nn.Module):
+    def __init__(self, dim=16, hidden=24, layers=2):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, dim))
+                                    for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(self.norm(x))
+
+
+class AppState:
+    """The DCP tutorial's pattern: model + optimizer through get_state_dict / set_state_dict."""
+
+    def __init__(self, model, optim):
+        self.model, self.optim = model, optim
+
+    def state_dict(self):
+        m, o = get_state_dict(self.model, self.optim)
+        return {"model": m, "optim": o}
+
+    def load_state_dict(self, sd):
+        set_state_dict(self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+class Failing:
+    """A Stateful that raises (or stops the process) on the chosen rank."""
+
+    def __init__(self, bad, how):
+        self.bad, self.how = bad, how
+
+    def state_dict(self):
+        if self.bad:
+            if self.how == "stall":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            raise OSError(28, "No space left on device (injected)")
+        return {"ok": True}
+
+    def load_state_dict(self, sd):
+        pass
+
+
+def build(mesh_shape, seed=0, ddp=False):
+    torch.manual_seed(seed)
+    model = Net()
+    if ddp:
+        model = nn.parallel.DistributedDataParallel(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if len(mesh_shape) == 2:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
+        for b in model.blocks:
+            parallelize_module(b, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        mesh = init_device_mesh("cpu", mesh_shape)
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, optim
+
+
+def batch(step, rank, world):
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(8, 16, generator=g)
+    y = torch.randint(0, 3, (8,), generator=g)
+    per = 8 // world if 8 % world == 0 else 8
+    if per == 8:
+        return x, y
+    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+
+
+def train_step(model, optim, step, rank, world):
+    x, y = batch(step, rank, world)
+    loss = nn.functional.cross_entropy(model(x), y)
+    optim.zero_grad()
+    loss.backward()
+    optim.step()
+    t = loss.detach().clone()
+    dist.all_reduce(t)
+    return t.item() / world
+
+
+def full_state(model, optim):
+    m, o = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"model": m, "optim": o}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", required=True)
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--remote")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--mesh", default="")
+    ap.add_argument("--log")
+    ap.add_argument("--full")
+    ap.add_argument("--blocking", type=int, default=1)
+    ap.add_argument("--bad-rank", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--rank-local", default="error")
+    ap.add_argument("--progress", type=int, default=0, help="save a per-rank progress dict (rank-local)")
+    ap.add_argument("--ddp", type=int, default=0, help="DDP (replicated) instead of FSDP2")
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh_shape = tuple(int(x) for x in args.mesh.split("x")) if args.mesh else (world,)
+    model, optim = build(mesh_shape, ddp=bool(args.ddp))
+    app = AppState(model, optim)
+    progress = {"consumed": 0, "rank": rank} if args.progress else None
+    store_root = args.store.replace("{rank}", str(rank)).replace("{node}", str(rank // 2))
+    store = Store(store_root, collective_timeout=args.timeout, remote=args.remote)
+    state = {"app": app, "step": 0}
+    if progress is not None:
+        state["progress"] = progress
+
+    if args.mode in ("fail", "stall"):
+        base = store.resume(state) or 0
+        state["failing"] = Failing(rank == args.bad_rank, args.mode)
+        t0 = time.monotonic()
+        out = {"rank": rank}
+        try:
+            store.save(state, base + 1)
+            out["result"] = "committed"
+        except CheckpointError as e:
+            out.update(result="error", type=type(e).__name__, error=str(e),
+                       failures={str(k): v for k, v in getattr(e, "failures", {}).items()})
+        except OSError as e:
+            out.update(result="error", type=type(e).__name__, error=str(e))
+        out["seconds"] = time.monotonic() - t0
+        print("RESULT " + json.dumps(out), flush=True)
+        if args.mode == "stall":            # the stopped rank never leaves: give the others time to read
+            time.sleep(3)
+            os._exit(0)
+        store.close()
+        finish()
+        return
+
+    if args.mode == "load":
+        try:
+            step = store.resume(state, rank_local=args.rank_local)
+        except CheckpointError as e:
+            print("RESULT " + json.dumps({"rank": rank, "result": "error", "type": type(e).__name__,
+                                          "error": str(e)}), flush=True)
+            os._exit(0)
+        fs = full_state(model, optim)
+        if rank == 0 and args.full:
+            torch.save({"step": step, "state": fs, "progress": progress}, args.full)
+        print("RESULT " + json.dumps({"rank": rank, "result": "loaded", "step": step, "progress": state.get("progress")}),
+              flush=True)
+        store.close()
+        finish()
+        return
+
+    start = store.resume(state) or 0
+    step = state["step"]
+    assert step == start, (step, start)
+    while step < args.steps:
+        step += 1
+        loss = train_step(model, optim, step, rank, world)
+        if progress is not None:
+            progress["consumed"] += 8
+        state["step"] = step
+        if rank == 0 and args.log:          # before the save: a step killed mid-save is logged, then redone
+            with open(args.log, "a") as f:
+                f.write(f"{step} {loss!r}\n")
+                f.flush()
+                os.fsync(f.fileno())
+        if args.mode == "train" or step == args.steps:
+            store.save(state, step, blocking=bool(args.blocking))
+    if args.mode == "save" and args.full:
+        fs = full_state(model, optim)
+        if rank == 0:
+            torch.save({"step": step, "state": fs, "progress": progress}, args.full)
+    store.close()
+    finish()
+
+
+def finish():
+    """Leave together: rank 0 hosts the key-value store, so nobody tears down while others still use it."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

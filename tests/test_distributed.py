@@ -1,0 +1,185 @@
+"""Sharded saves under torch.distributed: real multi-process jobs (gloo on 127.0.0.1, FSDP2, FSDP+TP, DDP),
+the collective commit's failure rules, resharding resume to other world sizes and meshes, rank-local values,
+node-local roots, and whole-job SIGKILLs. Models are tiny: these tests are about bytes and protocol."""
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+from ckptstore import Store
+from dist import Job, run
+from helpers import data_files, step_dir
+
+
+def full(path: Path):
+    return torch.load(path, weights_only=True)
+
+
+def assert_same_state(a, b):
+    la, sa = pytree.tree_flatten(a)
+    lb, sb = pytree.tree_flatten(b)
+    assert sa == sb
+    for x, y in zip(la, lb):
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+        else:
+            assert x == y
+
+
+def store_steps(root) -> list:
+    with Store(root) as s:
+        return s.steps()
+
+
+@pytest.fixture(scope="module")
+def saved4(tmp_path_factory):
+    """A 4-rank FSDP2 + AdamW job (via get_state_dict) trained 3 steps and saved; its full state."""
+    d = tmp_path_factory.mktemp("fsdp4")
+    run(4, "--mode", "save", "--store", str(d / "store"), "--steps", "3", "--full", str(d / "full.pt"))
+    return d
+
+
+@pytest.mark.parametrize("world", [4, 2, 3, 1])
+def test_fsdp2_state_saved_on_4_ranks_resumes_on_any_world_size(saved4, tmp_path, world):
+    res = run(world, "--mode", "load", "--store", str(saved4 / "store"), "--full", str(tmp_path / "got.pt"))
+    assert {r["step"] for r in res.values()} == {3}
+    got, want = full(tmp_path / "got.pt"), full(saved4 / "full.pt")
+    assert_same_state(got["state"], want["state"])
+
+
+def test_fsdp2_state_saved_on_2_ranks_resumes_on_4(tmp_path):
+    run(2, "--mode", "save", "--store", str(tmp_path / "store"), "--steps", "2", "--full", str(tmp_path / "w.pt"))
+    run(4, "--mode", "load", "--store", str(tmp_path / "store"), "--full", str(tmp_path / "got.pt"))
+    assert_same_state(full(tmp_path / "got.pt")["state"], full(tmp_path / "w.pt")["state"])
+
+
+def test_2d_fsdp_tp_mesh_resumes_on_a_1d_mesh_of_2(tmp_path):
+    run(4, "--mode", "save", "--mesh", "2x2", "--store", str(tmp_path / "store"), "--steps", "2",
+        "--full", str(tmp_path / "w.pt"))
+    with Store(tmp_path / "store") as s:                 # the manifests record the mesh and placements
+        info = s.commit_info(2)
+        assert info.world_size == 4
+    run(2, "--mode", "load", "--store", str(tmp_path / "store"), "--full", str(tmp_path / "got.pt"))
+    assert_same_state(full(tmp_path / "got.pt")["state"], full(tmp_path / "w.pt")["state"])
+
+
+def test_each_rank_stores_only_its_shard(saved4):
+    """4 ranks of FSDP2 store about the state once (shards), not 4 copies; every rank has its manifest."""
+    root = saved4 / "store"
+    with Store(root) as s:
+        commit = s.commit_info(3)
+        per_rank = [s.catalog.read_manifest(commit, r).bytes_total for r in range(4)]
+    want = full(saved4 / "full.pt")["state"]
+    state_bytes = sum(t.numel() * t.element_size() for t in pytree.tree_leaves(want) if isinstance(t, torch.Tensor))
+    assert sum(per_rank) < 1.2 * state_bytes            # shards plus small replicated scalars (Adam's step)
+    assert max(per_rank) < 0.5 * state_bytes
+    assert sum(p.stat().st_size for p in data_files(root)) < 1.3 * state_bytes
+
+
+def test_one_rank_failing_makes_every_rank_raise_and_nothing_commits(tmp_path):
+    store = str(tmp_path / "store")
+    run(3, "--mode", "train", "--store", store, "--steps", "2")
+    t0 = time.monotonic()
+    res = run(3, "--mode", "fail", "--store", store, "--bad-rank", "1")
+    assert time.monotonic() - t0 < 60
+    for r, out in res.items():
+        assert out["result"] == "error" and out["type"] == "CommitError", out
+        assert "rank 1" in out["error"] and "No space left" in out["error"]
+        assert list(out["failures"]) == ["1"]
+        assert out["seconds"] < 10                       # promptly: no waiting for a deadline
+    assert store_steps(store) == [1, 2] and not (step_dir(store, 3) / "COMMIT").exists()
+    res = run(3, "--mode", "load", "--store", store)
+    assert {o["step"] for o in res.values()} == {2}
+
+
+def test_a_stalled_rank_makes_the_others_raise_after_the_timeout_naming_it(tmp_path):
+    store = str(tmp_path / "store")
+    job = Job(3, "--mode", "stall", "--store", store, "--bad-rank", "1", "--timeout", "5")
+    try:
+        res = job.wait(120, ranks=(0, 2))
+    finally:
+        job.kill()
+    assert res[0]["type"] == "CommitError" and "rank 1" in res[0]["error"] and "within 5 s" in res[0]["error"]
+    assert res[2]["type"] == "CommitError" and "rank 1" in res[2]["error"]
+    for r in (0, 2):
+        assert 4 < res[r]["seconds"] < 40
+    assert store_steps(store) == []
+
+
+def test_rank_local_values_on_a_world_size_change(tmp_path):
+    store = str(tmp_path / "store")
+    run(2, "--mode", "save", "--store", store, "--steps", "2", "--progress", "1", "--full", str(tmp_path / "w.pt"))
+    res = run(1, "--mode", "load", "--store", store, "--progress", "1")
+    err = res[0]
+    assert err["result"] == "error" and err["type"] == "IncompatibleCheckpointError"
+    assert "progress/rank" in err["error"] and "world_size=2" in err["error"] and "world_size=1" in err["error"]
+    assert "progress/consumed" not in err["error"]
+    res = run(1, "--mode", "load", "--store", store, "--progress", "1", "--rank-local", "fresh",
+              "--full", str(tmp_path / "got.pt"))
+    assert res[0]["step"] == 2
+    assert res[0]["progress"] == {"consumed": 16, "rank": 0}     # shared value loaded, rank-local kept
+    assert_same_state(full(tmp_path / "got.pt")["state"], full(tmp_path / "w.pt")["state"])
+    res = run(2, "--mode", "load", "--store", store, "--progress", "1")    # same world size: each its own
+    assert [res[r]["progress"] for r in (0, 1)] == [{"consumed": 16, "rank": 0}, {"consumed": 16, "rank": 1}]
+
+
+def test_ddp_replicated_state_is_stored_once(tmp_path):
+    """4 DDP ranks hold the same parameters and optimizer state: the store holds one copy."""
+    run(1, "--mode", "save", "--ddp", "1", "--store", str(tmp_path / "one"), "--steps", "2")
+    run(4, "--mode", "save", "--ddp", "1", "--store", str(tmp_path / "four"), "--steps", "2")
+    one = sum(p.stat().st_size for p in data_files(tmp_path / "one"))
+    four = sum(p.stat().st_size for p in data_files(tmp_path / "four"))
+    assert four <= 1.05 * one, (one, four)
+
+
+def test_node_local_roots_each_get_the_commit_and_resume(tmp_path):
+    """Ranks 0-1 and 2-3 write to different roots (two "nodes"): each root gets its ranks' manifests and the
+    commit marker; resume with the same world size reads each rank's own root."""
+    roots = str(tmp_path / "node{node}")
+    run(4, "--mode", "save", "--store", roots, "--steps", "2", "--full", str(tmp_path / "w.pt"))
+    for node in (0, 1):
+        d = step_dir(tmp_path / f"node{node}", 2)
+        assert (d / "COMMIT").exists()
+        names = sorted(p.name for p in d.glob("manifest-*"))
+        assert names == [f"manifest-rank{r:05d}.msgpack" for r in (2 * node, 2 * node + 1)]
+    run(4, "--mode", "load", "--store", roots, "--full", str(tmp_path / "got.pt"))
+    assert_same_state(full(tmp_path / "got.pt")["state"], full(tmp_path / "w.pt")["state"])
+
+
+def losses(log: Path) -> dict:
+    out = {}
+    for line in log.read_text().splitlines():
+        step, loss = line.split()
+        out.setdefault(int(step), set()).add(loss)
+    return out
+
+
+@pytest.mark.parametrize("blocking", [1, 0])
+def test_fsdp2_job_sigkilled_resumes_bit_for_bit(tmp_path, blocking):
+    steps = 14
+    run(2, "--mode", "train", "--store", str(tmp_path / "ref"), "--steps", str(steps), "--log", str(tmp_path / "ref.log"))
+    ref = losses(tmp_path / "ref.log")
+    assert sorted(ref) == list(range(1, steps + 1))
+    rng = random.Random(blocking)
+    store, log = tmp_path / "store", tmp_path / "run.log"
+    for attempt in range(3):
+        job = Job(2, "--mode", "train", "--store", str(store), "--steps", str(steps), "--log", str(log),
+                  "--blocking", str(blocking))
+        seen = len(log.read_text().splitlines()) if log.exists() else 0
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (not log.exists() or len(log.read_text().splitlines()) <= seen + 1):
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0, 0.15))                  # somewhere in the next steps' saves
+        job.kill()
+    run(2, "--mode", "train", "--store", str(store), "--steps", str(steps), "--log", str(log),
+        "--blocking", str(blocking))
+    got = losses(log)
+    assert sorted(got) == list(range(1, steps + 1))
+    for step, values in got.items():
+        assert values == ref[step], (step, values, ref[step])
+    assert store_steps(store)[-1] == steps
