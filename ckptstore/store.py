@@ -17,16 +17,16 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, MutableMapping, Optional
 
 from . import __version__
-from .blobs import CODECS, BlobStore
+from .blobs import CODECS, BlobStore, stream_check
 from .catalog import Catalog
 from .errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from .gc import GCReport, collect
 from .index import ChunkIndex
-from .layout import check_step, manifest_path
-from .manifest import Commit, Manifest, ManifestNode, ArrayEntry
+from .layout import check_step, manifest_path, pack_path
+from .manifest import Commit, Manifest, ManifestNode, ArrayEntry, encode_commit
 from .packs import PackBuffers, Packing, ReadItem, read_chunks
 from .pointers import read_latest, write_latest, clear_latest
-from .reader import MapLocation, read_nodes
+from .reader import MapLocation, read_nodes, stored_sizes
 from .resolve import candidates, split_load_path
 from .retention import RetentionPolicy
 from .retry import RetryPolicy
@@ -303,7 +303,11 @@ class Store:
         self._index.replace(r for per_spec in refs for r in per_spec)
         t_commit = time.perf_counter()
         if committed and self.rank == 0:
-            self._apply_retention(step, since=t0)
+            try:
+                self._apply_retention(step, since=t0)
+            except Exception as e:          # the step is committed: a failed cleanup must not fail the save
+                log.error("step %d is committed; retention / gc after it failed: %s: %s", step,
+                          type(e).__name__, e)
             if self._uploader is not None:
                 self._uploader.enqueue(step)
         t_end = time.perf_counter()
@@ -385,10 +389,22 @@ class Store:
                                           f"{self.commit_timeout:.0f} s; the step is left uncommitted")
                 time.sleep(0.05)
             manifests[r] = self.catalog.manifest_digest(step, r)
-        self.catalog.write_commit(Commit(step=step, world_size=self.world_size, manifests=manifests,
-                                         created=time.time(), bytes_total=bytes_total, metrics=dict(metrics),
-                                         config=self.config, writer=f"ckptstore {__version__}"))
-        self._point_to_if_newest(step)
+        commit = Commit(step=step, world_size=self.world_size, manifests=manifests, created=time.time(),
+                        bytes_total=bytes_total, metrics=dict(metrics), config=self.config,
+                        writer=f"ckptstore {__version__}")
+        try:
+            self.catalog.write_commit(commit)
+        except OSError as e:
+            # e.g. ENOSPC / EIO from the directory fsync after the rename: the marker may be in place, and then
+            # the step IS committed (visible to every reader): the save must not report it as failed
+            if not _quiet(lambda: self.catalog.read_commit_bytes(step)[0] == encode_commit(commit)):
+                raise
+            log.warning("step %d is committed, but writing its commit marker reported: %s", step, e)
+        # From here on the step is committed: what follows only maintains hints; a failure is logged, not raised
+        try:
+            self._point_to_if_newest(step)
+        except Exception as e:
+            log.warning("step %d is committed; moving the latest pointer failed (it is only a hint): %s", step, e)
         if dist is not None:
             dist.barrier()
         return True
@@ -462,7 +478,7 @@ class Store:
         if commit.world_size != self.world_size and rank == self.rank and self.world_size != 1:
             raise self._world_size_error(commit)
         manifest = self.catalog.read_manifest(commit, rank)
-        return unflatten(self._read_nodes(self.blobs, manifest, map_location=map_location))
+        return _unflatten(self._read_nodes(self.blobs, manifest, map_location=map_location), step)
 
     def load(self, step: Optional[int] = None, map_location: MapLocation = "cpu", *,
              rank: Optional[int] = None) -> Dict[str, Any]:
@@ -573,13 +589,16 @@ class Store:
                                                   unexpected=unexpected)
             wanted = set(state) & saved_keys
         nodes = self._read_nodes(blobs, manifest, map_location=None, select=lambda p: p[0] in wanted)
-        loaded = unflatten(nodes)
-        for key in list(state):
-            if key not in loaded:
-                continue
+        loaded = _unflatten(nodes, step)
+        # Nothing is applied before every byte is read and verified (above). Stateful objects first: their
+        # load_state_dict may still refuse (a shape mismatch); plain entries are replaced only once all of
+        # them accepted, so a failed restore leaves them as they were.
+        keys = [k for k in list(state) if k in loaded]
+        for key in keys:
             if is_stateful(state[key]):
                 state[key].load_state_dict(loaded[key])
-            else:
+        for key in keys:
+            if not is_stateful(state[key]):
                 state[key] = loaded[key]
         if components is None and not strict and (missing or unexpected):
             log.warning("resumed step %d partially: not in checkpoint %s, not in state %s", step, sorted(missing),
@@ -672,8 +691,11 @@ class Store:
         return out
 
     def _verify_manifest(self, manifest: Manifest, batch_bytes: int = 64 << 20) -> None:
-        """Read and hash every distinct chunk of ``manifest``; at most ``batch_bytes`` of packed chunks are held
-        at once. Raises ``CorruptCheckpointError`` for the first bad chunk."""
+        """Read and hash every distinct chunk of ``manifest`` in bounded memory: sizes are checked against the
+        files first, at most ``batch_bytes`` of small packed chunks are held at once, and blobs and large
+        chunks are hashed as streams. Read-only: nothing is quarantined. Raises ``CorruptCheckpointError`` for
+        the first bad chunk."""
+        stored_sizes(self.blobs, manifest, manifest.nodes, executor=self._pool, quarantine=False)
         seen, futures, batch, held = set(), [], [], 0
 
         def flush():
@@ -686,13 +708,17 @@ class Store:
                 if c.blob_id in seen:
                     continue
                 seen.add(c.blob_id)
+                key = path_str(node.path)
                 if c.pack is None:
-                    futures.append(self._pool.submit(self.blobs.verify, c.blob_id, c.codec, c.nbytes))
-                    continue
-                batch.append(ReadItem(c, memoryview(bytearray(c.nbytes)), manifest.step, path_str(node.path)))
-                held += c.nbytes
-                if held >= batch_bytes:
-                    flush()
+                    futures.append(self._pool.submit(self.blobs.verify, c.blob_id, c.codec, c.nbytes,
+                                                     step=manifest.step, key=key))
+                elif c.nbytes > _STREAM_VERIFY_BYTES:
+                    futures.append(self._pool.submit(_verify_packed_stream, self.storage, c, manifest.step, key))
+                else:
+                    batch.append(ReadItem(c, memoryview(bytearray(c.nbytes)), manifest.step, key))
+                    held += c.nbytes
+                    if held >= batch_bytes:
+                        flush()
         flush()
         for f in futures:
             f.result()
@@ -745,6 +771,34 @@ class Store:
 
     def __repr__(self) -> str:
         return f"Store({self.root!r}, rank={self.rank}, world_size={self.world_size})"
+
+
+_STREAM_VERIFY_BYTES = 16 << 20
+
+
+def _verify_packed_stream(storage, c, step, key) -> None:
+    """Hash one large packed chunk as a stream (``verify`` holds at most a few MiB per chunk)."""
+    import zstandard
+    try:
+        ok, got = stream_check(storage, pack_path(c.pack), c.codec, nbytes=c.nbytes, blob_id=c.blob_id,
+                               offset=c.offset, stored=c.stored)
+    except OSError as e:
+        raise CorruptCheckpointError(f"pack unreadable ({e.strerror or e})", step=step, key=key,
+                                     blob=c.blob_id) from None
+    except (ValueError, zstandard.ZstdError) as e:
+        raise CorruptCheckpointError(f"chunk unreadable ({e}) (pack {c.pack})", step=step, key=key,
+                                     blob=c.blob_id) from None
+    if not ok:
+        raise CorruptCheckpointError(f"chunk content does not match its hash (pack {c.pack})", step=step,
+                                     key=key, blob=c.blob_id)
+
+
+def _unflatten(nodes, step):
+    """:func:`unflatten`; the manifest was validated as a tree, so a failure here is still a corrupt step."""
+    try:
+        return unflatten(nodes)
+    except (ValueError, TypeError, KeyError, IndexError) as e:
+        raise CorruptCheckpointError(f"invalid key tree ({e})", step=step) from None
 
 
 def _quiet(fn) -> bool:
