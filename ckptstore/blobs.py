@@ -36,8 +36,101 @@ def compress(data: memoryview, level: int) -> bytes:
     return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(data)
 
 
-def decompress(payload: bytes, nbytes: int) -> bytes:
-    return zstandard.ZstdDecompressor().decompress(payload, max_output_size=nbytes)
+#: zstd cannot expand data more than this: its densest block (RLE) is 4 bytes for at most 128 KiB of output.
+#: A chunk claiming more raw bytes than ``stored x MAX_ZSTD_RATIO`` is refused before anything is allocated.
+MAX_ZSTD_RATIO = 32768
+_PIECE = 8 << 20                    # streaming reads / hashing work in pieces of this size
+RECHECK_LIMIT = 1 << 30             # most raw bytes a re-check decodes before giving up (never quarantines then)
+
+
+def zstd_claim_possible(stored: int, nbytes: int) -> bool:
+    """Whether ``stored`` bytes of zstd can hold ``nbytes`` raw bytes at all (a bound, not a proof)."""
+    return nbytes <= stored * MAX_ZSTD_RATIO
+
+
+def decompress_into(payload, out: memoryview) -> int:
+    """Decode the zstd frame ``payload`` into ``out``, producing at most ``len(out)`` bytes; return how many.
+
+    Streams: the frame header's content size is never trusted (a 20-byte frame may claim 64 GiB, and
+    ``ZstdDecompressor.decompress`` would allocate it). Raises ``ValueError`` when the frame holds more than
+    ``len(out)`` bytes, ``zstandard.ZstdError`` when it is damaged.
+    """
+    n = len(out)
+    reader = zstandard.ZstdDecompressor().stream_reader(payload, read_size=1 << 20)
+    got = 0
+    while got < n:
+        k = reader.readinto(out[got:])
+        if not k:
+            break
+        got += k
+    if got == n and reader.read(1):
+        raise ValueError(f"zstd frame holds more than the {n} bytes declared")
+    return got
+
+
+def decompress(payload, nbytes: int) -> bytes:
+    """The raw bytes of one zstd frame expected to hold ``nbytes`` (bounded: see :func:`decompress_into`).
+    Raises ``ValueError`` / ``zstandard.ZstdError``; returns fewer bytes when the frame holds fewer."""
+    if not zstd_claim_possible(len(payload), nbytes):
+        raise ValueError(f"{len(payload)} bytes of zstd cannot hold {nbytes} bytes")
+    out = bytearray(nbytes)
+    got = decompress_into(payload, memoryview(out))
+    return bytes(out) if got == nbytes else bytes(out[:got])
+
+
+class _RangeFile:
+    """A read-only file object over ``storage`` ranged reads, for streaming a file of any size."""
+
+    def __init__(self, storage, path: str, offset: int = 0, length: Optional[int] = None):
+        self.storage, self.path, self.pos = storage, path, offset
+        self.end = None if length is None else offset + length
+
+    def read(self, size: int = -1) -> bytes:
+        size = _PIECE if size is None or size < 0 else min(size, _PIECE)
+        if self.end is not None:
+            size = min(size, self.end - self.pos)
+        if size <= 0:
+            return b""
+        buf = bytearray(size)
+        got = self.storage.read_range_into(self.path, self.pos, memoryview(buf))
+        self.pos += got
+        return bytes(buf[:got])
+
+
+def stream_check(storage, path: str, codec: str, *, nbytes: Optional[int], blob_id: str, offset: int = 0,
+                 stored: Optional[int] = None, limit: int = RECHECK_LIMIT) -> Tuple[bool, int]:
+    """Hash one stored chunk in bounded memory (pieces of 8 MiB). Returns ``(hashes to blob_id, raw bytes)``.
+
+    ``nbytes``: the raw length expected (decoding stops one byte past it); ``None``: decode up to ``limit``.
+    Raises ``OSError`` / ``ValueError`` from the storage, ``zstandard.ZstdError`` for an undecodable frame, and
+    ``OverflowError`` when the raw bytes pass ``limit`` (nothing can be concluded then).
+    """
+    cap = limit if nbytes is None else nbytes + 1
+    h = blake3.blake3()
+    total = 0
+    src = _RangeFile(storage, path, offset, stored)
+    if codec == "raw":
+        while True:
+            piece = src.read(_PIECE)
+            if not piece:
+                break
+            h.update(piece)
+            total += len(piece)
+            if total >= cap:
+                break
+    else:
+        reader = zstandard.ZstdDecompressor().stream_reader(src, read_size=1 << 20)
+        while True:
+            piece = reader.read(min(_PIECE, cap - total))
+            if not piece:
+                break
+            h.update(piece)
+            total += len(piece)
+            if total >= cap:
+                break
+    if nbytes is None and total >= limit:
+        raise OverflowError(f"more than {limit} raw bytes")
+    return h.hexdigest() == blob_id and (nbytes is None or total == nbytes), total
 
 
 class BlobStore:
@@ -105,46 +198,109 @@ class BlobStore:
             dirs, self._dirs = self._dirs, set()
         self.storage.sync(dirs)
 
-    def read_into(self, blob_id: str, codec: str, out: memoryview, *, step=None, key=None) -> None:
+    def stat(self, blob_id: str, codec: str) -> Tuple[str, Optional[int]]:
+        """``(codec, stored size)`` of a blob, looking under the other codec when it is not under ``codec``;
+        size ``None`` when the blob is missing (or is not a regular file)."""
+        size = self.storage.size(blob_path(blob_id, codec))
+        if size is None:
+            other = self.locate(blob_id)                  # e.g. re-written under the other codec
+            if other is not None and other != codec:
+                return other, self.storage.size(blob_path(blob_id, other))
+        return codec, size
+
+    def read_into(self, blob_id: str, codec: str, out: memoryview, *, step=None, key=None,
+                  quarantine: bool = True, size: Optional[int] = None) -> None:
         """Fill ``out`` (exactly the blob's raw length) with the blob's bytes and verify their digest.
 
         Raises ``CorruptCheckpointError`` (naming step, key and blob) when the blob is missing, has the wrong
-        length, cannot be decompressed, or its digest does not match. A blob whose digest does not match is
-        moved to ``quarantine/`` so that the next save writes a good copy instead of deduplicating against it.
+        length, cannot be decompressed, or its digest does not match. Only a blob whose own bytes fail their
+        hash when read again is moved to ``quarantine/`` (so the next save writes a good copy instead of
+        deduplicating against it): a manifest that claims a wrong length or codec for an intact blob is the
+        manifest's fault, and the blob stays for the steps that use it rightly. ``quarantine=False``: never.
+        ``size``: the stored size if the caller has just looked it up (see :meth:`stat`).
         """
         nbytes = len(out)
-        if self.storage.size(blob_path(blob_id, codec)) is None:
-            other = self.locate(blob_id)                  # e.g. re-written under the other codec
-            if other is None:
-                raise CorruptCheckpointError("blob missing", step=step, key=key, blob=blob_id)
-            codec = other
+        if size is None:
+            codec, size = self.stat(blob_id, codec)
+        self.check_claim(blob_id, codec, size, nbytes, step=step, key=key, quarantine=quarantine)
         path = blob_path(blob_id, codec)
         try:
             if codec == "raw":
                 got = self.storage.read_into(path, out)
             else:
-                raw = decompress(self.storage.read_bytes(path), nbytes)
-                got = len(raw)
-                if got == nbytes:
-                    out[:] = raw
+                got = decompress_into(self.storage.read_bytes(path), out)
         except FileNotFoundError:
             raise CorruptCheckpointError("blob missing", step=step, key=key, blob=blob_id) from None
+        except OSError as e:
+            raise CorruptCheckpointError(f"blob unreadable ({e.strerror or e})", step=step, key=key,
+                                         blob=blob_id) from None
         except (ValueError, zstandard.ZstdError) as e:
-            self._quarantine(blob_id, codec)
-            raise CorruptCheckpointError(f"blob unreadable ({e})", step=step, key=key, blob=blob_id) from None
+            raise self._damaged(f"blob unreadable ({e})", blob_id, codec, nbytes, quarantine, step, key) from None
         if got != nbytes:
-            self._quarantine(blob_id, codec)
-            raise CorruptCheckpointError(f"blob has {got} bytes, expected {nbytes}", step=step, key=key,
-                                         blob=blob_id)
+            raise self._damaged(f"blob has {got} bytes, expected {nbytes}", blob_id, codec, nbytes, quarantine,
+                                step, key)
         if digest_bytes(out, threads=True) != blob_id:
-            self._quarantine(blob_id, codec)
-            raise CorruptCheckpointError("blob content does not match its hash", step=step, key=key,
-                                         blob=blob_id)
+            raise self._damaged("blob content does not match its hash", blob_id, codec, nbytes, quarantine,
+                                step, key)
         self.remember(blob_id, codec)
 
-    def verify(self, blob_id: str, codec: str, nbytes: int) -> None:
-        """Read and check one blob without keeping it (``ckptstore verify``); raises like :meth:`read_into`."""
-        self.read_into(blob_id, codec, memoryview(bytearray(nbytes)))
+    def verify(self, blob_id: str, codec: str, nbytes: int, *, step=None, key=None, quarantine: bool = False) -> None:
+        """Read and hash one blob in bounded memory, without keeping it (``ckptstore verify``); raises like
+        :meth:`read_into`. Quarantines nothing unless asked: verifying is a read-only command."""
+        codec, size = self.stat(blob_id, codec)
+        self.check_claim(blob_id, codec, size, nbytes, step=step, key=key, quarantine=quarantine)
+        try:
+            ok, got = stream_check(self.storage, blob_path(blob_id, codec), codec, nbytes=nbytes, blob_id=blob_id)
+        except FileNotFoundError:
+            raise CorruptCheckpointError("blob missing", step=step, key=key, blob=blob_id) from None
+        except OSError as e:
+            raise CorruptCheckpointError(f"blob unreadable ({e.strerror or e})", step=step, key=key,
+                                         blob=blob_id) from None
+        except (ValueError, zstandard.ZstdError) as e:
+            raise self._damaged(f"blob unreadable ({e})", blob_id, codec, nbytes, quarantine, step, key) from None
+        if not ok:
+            msg = (f"blob has {got if got <= nbytes else 'more than ' + str(nbytes)} bytes, expected {nbytes}"
+                   if got != nbytes else "blob content does not match its hash")
+            raise self._damaged(msg, blob_id, codec, nbytes, quarantine, step, key)
+
+    def check_claim(self, blob_id: str, codec: str, size: Optional[int], nbytes: int, *, step=None, key=None,
+                    quarantine: bool = True) -> None:
+        """Check a claimed raw length against the stored size (from :meth:`stat`) before anything is allocated
+        for it: a raw blob has exactly ``nbytes`` bytes; a zstd blob can hold at most ``MAX_ZSTD_RATIO`` times
+        its size. Raises ``CorruptCheckpointError`` (see :meth:`_damaged` for the quarantine rule)."""
+        if size is None:
+            raise CorruptCheckpointError("blob missing", step=step, key=key, blob=blob_id)
+        if codec == "raw" and size != nbytes:
+            raise self._damaged(f"blob has {size} bytes, expected {nbytes}", blob_id, codec, nbytes, quarantine,
+                                step, key)
+        if codec != "raw" and not zstd_claim_possible(size, nbytes):
+            raise self._damaged(f"{size} bytes of zstd cannot hold the {nbytes} bytes expected", blob_id, codec,
+                                nbytes, quarantine, step, key)
+
+    def _damaged(self, msg: str, blob_id: str, codec: str, nbytes: int, quarantine: bool, step, key):
+        """The error for a blob that did not read back as claimed. The blob is re-read from scratch and
+        hashed on its own (bounded memory, whatever the manifest claimed): only when its bytes do not hash to
+        its id is it quarantined; when they do, the claim (length, codec) was wrong, and it says so."""
+        verdict = self.judge(blob_id, codec)
+        if verdict is True:
+            return CorruptCheckpointError(f"{msg}; the blob itself is intact: the manifest's claim about it is "
+                                          "wrong", step=step, key=key, blob=blob_id)
+        self.forget(blob_id)
+        if verdict is False and quarantine:
+            self._quarantine(blob_id, codec)
+            msg += " (moved to quarantine/)"
+        return CorruptCheckpointError(msg, step=step, key=key, blob=blob_id)
+
+    def judge(self, blob_id: str, codec: str) -> Optional[bool]:
+        """Whether the stored blob hashes to its id: True, False, or None when that cannot be told (missing,
+        not a regular file, an I/O error, or more than ``RECHECK_LIMIT`` raw bytes)."""
+        try:
+            ok, _ = stream_check(self.storage, blob_path(blob_id, codec), codec, nbytes=None, blob_id=blob_id)
+            return ok
+        except (ValueError, zstandard.ZstdError):
+            return False                                   # an undecodable frame is damaged, whatever claimed
+        except (OSError, OverflowError):
+            return None
 
     def _quarantine(self, blob_id: str, codec: str) -> None:
         self.forget(blob_id)

@@ -46,6 +46,9 @@ class Catalog:
             data = self.storage.read_bytes(path)
         except FileNotFoundError:
             raise CorruptCheckpointError("commit marker missing", step=step, blob=path) from None
+        except OSError as e:                      # e.g. not a regular file, EIO
+            raise CorruptCheckpointError(f"commit marker unreadable ({e.strerror or e})", step=step,
+                                         blob=path) from None
         return data, decode_commit(data, step=step, what=path)
 
     def read_manifest(self, commit: Commit, rank: int) -> Manifest:
@@ -60,10 +63,16 @@ class Catalog:
                                          blob=manifest_path(commit.step, rank))
         want_digest, want_size, gen = commit.manifests[rank]
         path = manifest_path(commit.step, rank, gen)
+        if (self.storage.size(path) or 0) > want_size:     # bounded: never read more than the commit recorded
+            raise CorruptCheckpointError(f"manifest does not match its commit marker (more than {want_size} "
+                                         "bytes)", step=commit.step, blob=path)
         try:
             data = self.storage.read_bytes(path)
         except FileNotFoundError:
             raise CorruptCheckpointError("manifest missing", step=commit.step, blob=path) from None
+        except OSError as e:
+            raise CorruptCheckpointError(f"manifest unreadable ({e.strerror or e})", step=commit.step,
+                                         blob=path) from None
         if len(data) != want_size or digest_bytes(data) != want_digest.hex():
             raise CorruptCheckpointError(f"manifest does not match its commit marker ({len(data)} bytes, "
                                          f"expected {want_size})", step=commit.step, blob=path)

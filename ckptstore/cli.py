@@ -8,6 +8,11 @@
 
 ROOT / URL: a local path, ``file://`` URL, or any fsspec URL (``s3://``, ``gs://``, ...); storage options
 (endpoint, credentials) come from ``--storage-options JSON`` or ``$CKPTSTORE_STORAGE_OPTIONS``.
+
+Exit status: 0 ok, 1 problems found (``verify``: a damaged step; ``gc``: unreadable steps), 2 usage or any
+other error. An error is one line on stderr; ``--debug`` prints the traceback as well. Everything printed
+that comes from a store (keys, values, metrics, messages) is printed as text, never as rich markup, and no
+credential is ever printed (see :mod:`ckptstore.redact`).
 """
 from __future__ import annotations
 
@@ -16,15 +21,38 @@ import json
 import logging
 import os
 import sys
+import traceback
 
 import click
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .errors import CheckpointError
+from .redact import redact, register_secrets
 from .state import path_str
 
-console = Console()
+console = Console(highlight=False)
+
+
+class Failure(click.ClickException):
+    """An error of the command (not a finding): one line on stderr, exit status 2."""
+    exit_code = 2
+
+    def __init__(self, message: str):
+        super().__init__(redact(message))
+
+
+def _t(value, style: str = "") -> Text:
+    """User data as rich Text: printed verbatim, never parsed as markup (a key may well contain ``[/x]``)."""
+    return Text(redact(value if isinstance(value, str) else str(value)), style=style)
+
+
+def _created(ts) -> str:
+    try:
+        return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    except (OverflowError, OSError, ValueError, TypeError):
+        return "?"
 
 
 def _human(n: int) -> str:
@@ -41,10 +69,11 @@ def _options(ctx_value):
         return None
     try:
         opts = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise click.BadParameter(f"--storage-options is not JSON: {e}")
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise click.BadParameter(f"--storage-options is not JSON: {e}") from None
     if not isinstance(opts, dict):
         raise click.BadParameter("--storage-options must be a JSON object")
+    register_secrets(opts)
     return opts
 
 
@@ -58,19 +87,30 @@ def _open(root, storage_options):
 
 
 class _Group(click.Group):
-    """Turns library errors into one clean line and exit status 2 (no traceback for expected failures)."""
+    """Turns every error into one clean line on stderr and exit status 2; ``--debug`` adds the traceback.
+    Click's own exits (usage errors: 2, ``sys.exit`` of a command) pass through unchanged."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except (CheckpointError, FileNotFoundError, PermissionError) as e:
-            raise click.ClickException(str(e)) from None
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except KeyboardInterrupt:
+            raise click.exceptions.Abort() from None
+        except Exception as e:                                    # noqa: BLE001 - the point of this class
+            if ctx.params.get("debug"):
+                sys.stderr.write(redact("".join(traceback.format_exception(type(e), e, e.__traceback__))))
+            msg = str(e) or type(e).__name__
+            if not isinstance(e, (CheckpointError, OSError)):
+                msg = f"{type(e).__name__}: {msg}"
+            raise Failure(" ".join(msg.split()) if len(msg) < 2000 else msg[:2000]) from None
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", is_flag=True, help="Log what the library does.")
+@click.option("--debug", is_flag=True, help="Print the traceback of an error.")
 @click.version_option(package_name="ckptstore")
-def main(verbose: bool) -> None:
+def main(verbose: bool, debug: bool) -> None:
     """Inspect and maintain ckptstore checkpoint stores."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
 
@@ -96,22 +136,21 @@ def ls_cmd(root, as_json, storage_options):
                     row["error"] = str(e)
             rows.append(row)
     if as_json:
-        click.echo(json.dumps(rows, indent=1, default=str))
+        click.echo(redact(json.dumps(rows, indent=1, default=str)))
         return
-    console.print(f"{root}: {len(committed)} committed step(s)", soft_wrap=True)
+    console.print(_t(f"{root}: {len(committed)} committed step(s)"), soft_wrap=True)
     table = Table()
     for col in ("step", "state", "created (UTC)", "size", "ranks", "metrics"):
         table.add_column(col, justify="right" if col in ("step", "size", "ranks") else "left")
     for r in rows:
-        state = "latest" if r["latest"] else ("committed" if r["committed"] else "[yellow]uncommitted[/]")
+        state = _t("latest" if r["latest"] else "committed") if r["committed"] else _t("uncommitted", "yellow")
         if "error" in r:
-            state = f"[red]damaged[/]: {r['error']}"
-        created = (datetime.datetime.fromtimestamp(r["created"], datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-                   if "created" in r else "")
+            state = Text.assemble(_t("damaged", "red"), _t(f": {r['error']}"))
+        created = _created(r["created"]) if "created" in r else ""
         metrics = " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
                            for k, v in (r.get("metrics") or {}).items())
         table.add_row(str(r["step"]), state, created, _human(r["bytes_total"]) if "bytes_total" in r else "",
-                      str(r.get("world_size", "")), metrics)
+                      str(r.get("world_size", "")), _t(metrics))
     console.print(table)
 
 
@@ -126,18 +165,17 @@ def show_cmd(root, step, rank, values, storage_options):
     with _open(root, storage_options) as store:
         step = store.latest_step() if step is None else step
         if step is None:
-            raise click.ClickException(f"{root} has no committed step")
-        try:
-            commit = store.commit_info(step)
-            manifest = store.catalog.read_manifest(commit, rank)
-        except CheckpointError as e:
-            raise click.ClickException(str(e))
-    console.print(f"step {step}  rank {rank}/{commit.world_size}  {_human(manifest.bytes_total)} in "
-                  f"{len(manifest.blob_ids())} blob(s)  written by {commit.writer or '?'}")
+            raise Failure(f"{root} has no committed step")
+        if not store.catalog.is_committed(step):
+            raise Failure(f"step {step} is not committed in {store.root}")
+        commit = store.commit_info(step)
+        manifest = store.catalog.read_manifest(commit, rank)
+    console.print(_t(f"step {step}  rank {rank}/{commit.world_size}  {_human(manifest.bytes_total)} in "
+                     f"{len(manifest.blob_ids())} blob(s)  written by {commit.writer or '?'}"))
     if commit.metrics:
-        console.print("metrics: " + json.dumps(commit.metrics, default=str))
+        console.print(_t("metrics: " + json.dumps(commit.metrics, default=str)))
     if commit.config:
-        console.print("config: " + json.dumps(commit.config, default=str))
+        console.print(_t("config: " + json.dumps(commit.config, default=str)))
     table = Table()
     for col in ("key", "kind", "dtype", "shape", "bytes", "blobs"):
         table.add_column(col, justify="right" if col in ("bytes", "blobs") else "left")
@@ -147,10 +185,10 @@ def show_cmd(root, step, rank, values, storage_options):
         key = path_str(node.path)
         if node.kind in ("tensor", "ndarray", "npscalar"):
             e = node.payload
-            table.add_row(key, node.kind, e.dtype, "x".join(map(str, e.shape)) or "()", _human(e.nbytes),
+            table.add_row(_t(key), node.kind, _t(e.dtype), "x".join(map(str, e.shape)) or "()", _human(e.nbytes),
                           str(len(e.chunks)))
         elif values:
-            table.add_row(key, node.kind, type(node.payload).__name__, repr(node.payload)[:60], "", "")
+            table.add_row(_t(key), node.kind, type(node.payload).__name__, _t(repr(node.payload)[:60]), "", "")
     console.print(table)
 
 
@@ -165,10 +203,10 @@ def verify_cmd(root, step, storage_options):
     bad = 0
     for s, err in sorted(results.items()):
         if err is None:
-            console.print(f"step {s}: [green]ok[/]")
+            console.print(Text.assemble(f"step {s}: ", ("ok", "green")))
         else:
             bad += 1
-            console.print(f"step {s}: [red]DAMAGED[/] {err}")
+            console.print(Text.assemble(f"step {s}: ", ("DAMAGED", "red"), " ", _t(err)))
     if not results:
         console.print("no committed step")
     sys.exit(1 if bad else 0)
@@ -186,11 +224,12 @@ def gc_cmd(root, grace_seconds, dry_run, force, storage_options):
     with _open(root, storage_options) as store:
         r = store.gc(grace_seconds=grace_seconds, dry_run=dry_run, force=force)
     verb = "would delete" if dry_run else "deleted"
-    console.print(f"{verb} {r.blobs_deleted} blob(s), {r.packs_deleted} pack(s), {_human(r.bytes_freed)}; "
-                  f"{len(r.steps_removed)} uncommitted step dir(s) {r.steps_removed or ''}; "
-                  f"{r.temp_files_removed} temp file(s)")
+    console.print(_t(f"{verb} {r.blobs_deleted} blob(s), {r.packs_deleted} pack(s), {_human(r.bytes_freed)}; "
+                     f"{len(r.steps_removed)} uncommitted step dir(s) {r.steps_removed or ''}; "
+                     f"{r.temp_files_removed} temp file(s)"))
     if r.unreadable_steps:
-        console.print(f"[red]unreadable steps {r.unreadable_steps}: blobs were not swept[/] (use --force)")
+        console.print(Text.assemble(_t(f"unreadable steps {r.unreadable_steps}: blobs were not swept", "red"),
+                                    " (use --force)"))
         sys.exit(1)
 
 
@@ -205,7 +244,7 @@ def pull_cmd(url, root, step, storage_options):
     with Store(root, remote=url, storage_options=_options(storage_options), upload=False) as store:
         got = store.pull(step)
         steps = store.steps()
-    console.print(f"pulled step {got} into {root} (local steps: {steps})")
+    console.print(_t(f"pulled step {got} into {root} (local steps: {steps})"))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -9,7 +9,12 @@ from typing import Iterable, Optional
 
 
 class CheckpointError(Exception):
-    """Base class of every error ckptstore raises about a checkpoint or a store."""
+    """Base class of every error ckptstore raises about a checkpoint or a store. Its message never holds a
+    credential (see :mod:`ckptstore.redact`)."""
+
+    def __init__(self, *args):
+        from .redact import redact
+        super().__init__(*(redact(a) if isinstance(a, str) else a for a in args))
 
 
 class CorruptCheckpointError(CheckpointError):

@@ -350,9 +350,87 @@ def decode_manifest(data: bytes, *, step: int, rank: int, what: str) -> Manifest
             raise ValueError("nodes must start with the root dict")
         where = what
         _check_pack_ranges(nodes)
-    except ValueError as e:
-        raise CorruptCheckpointError(f"invalid manifest: {e}", step=step, blob=what) from None
+        _validate_tree(nodes, stateful)
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError) as e:
+        # TypeError & co: a field of the wrong type met an operation before its own check (e.g. an unhashable
+        # dtype); every such manifest is invalid, never an exception of another kind for the caller
+        raise CorruptCheckpointError(f"invalid manifest: {type(e).__name__ + ': ' if not isinstance(e, ValueError) else ''}"
+                                     f"{e}", step=step, blob=what) from None
     return Manifest(step=step, rank=rank, world_size=world_size, stateful=stateful, nodes=nodes)
+
+
+_PLAIN_VALUE_TYPES = (type(None), bool, int, float, str, bytes)
+_MAX_ELEMENTS = 1 << 62           # bound on the product of an array's non-zero dims (numpy/torch use int64)
+
+
+def _validate_tree(nodes: List["ManifestNode"], stateful: List[str]) -> None:
+    """The checks that need the whole tree (untrusted input: see FORMAT.md), run before anything is allocated
+    or applied. Every node but the root has a non-empty path whose parent is an earlier container node; paths
+    are unique; top-level keys are str; a list/tuple of length n has exactly the children 0..n-1 (so a length
+    can never exceed the nodes actually present); plain values are plain; numpy dtypes are in canonical form
+    from the kinds ckptstore writes; array shapes stay within int64 element counts even where a dim is 0.
+    Raises ``ValueError`` naming the key path."""
+    kinds: Dict[tuple, str] = {}
+    lengths: Dict[tuple, int] = {}
+    children: Dict[tuple, int] = {}
+    for i, n in enumerate(nodes):
+        path = n.path
+        if i == 0:
+            kinds[path] = n.kind
+            children[path] = 0
+            continue
+        where = path_str(path) or "<root>"
+        if not path:
+            raise ValueError(f"node {i} ({n.kind}) has an empty key path: only the root may")
+        if path in kinds:
+            raise ValueError(f"key {where!r} appears twice")
+        parent, key = path[:-1], path[-1]
+        pkind = kinds.get(parent)
+        if pkind is None:
+            raise ValueError(f"key {where!r} has no parent container before it")
+        if pkind not in CONTAINER_KINDS:
+            raise ValueError(f"key {where!r} is under a {pkind}, not a container")
+        if pkind == "dict":
+            if not parent and not isinstance(key, str):
+                raise ValueError(f"top-level key {key!r} is not a str")
+        elif not isinstance(key, int) or not 0 <= key < lengths[parent]:
+            raise ValueError(f"index {key!r} out of range for the {pkind} of length {lengths[parent]} at "
+                             f"{path_str(parent) or '<root>'!r}")
+        children[parent] += 1
+        kinds[path] = n.kind
+        if n.kind in CONTAINER_KINDS:
+            children[path] = 0
+            if n.kind != "dict":
+                lengths[path] = n.payload
+        elif n.kind == "value" and not isinstance(n.payload, _PLAIN_VALUE_TYPES):
+            raise ValueError(f"key {where!r}: a plain value cannot be a {type(n.payload).__name__}")
+        elif n.kind in ARRAY_KINDS:
+            _check_array_sanity(n.kind, n.payload, where)
+    for path, length in lengths.items():
+        if children[path] != length:
+            raise ValueError(f"{kinds[path]} {path_str(path)!r} claims {length} elements, the manifest holds "
+                             f"{children[path]}")
+    top = {p[0] for p in kinds if len(p) == 1}
+    missing = [s for s in stateful if s not in top]
+    if missing:
+        raise ValueError(f"stateful keys {missing!r:.80} are not top-level keys")
+
+
+def _check_array_sanity(kind: str, entry: "ArrayEntry", where: str) -> None:
+    if kind in ("ndarray", "npscalar"):
+        try:
+            dt = np.dtype(entry.dtype)
+        except TypeError:
+            raise ValueError(f"key {where!r}: unknown numpy dtype {entry.dtype!r}") from None
+        if dt.str != entry.dtype or dt.kind not in "biufcmMSUV" or dt.fields is not None or dt.itemsize == 0:
+            raise ValueError(f"key {where!r}: unsupported numpy dtype {entry.dtype!r}")
+        if kind == "npscalar" and entry.shape:
+            raise ValueError(f"key {where!r}: a numpy scalar has shape (), not {list(entry.shape)}")
+    elements = 1
+    for d in entry.shape:
+        elements *= max(d, 1)
+    if elements > _MAX_ELEMENTS:
+        raise ValueError(f"key {where!r}: shape {list(entry.shape)} is out of range")
 
 
 # -- commit marker ------------------------------------------------------------------------------------------
@@ -382,11 +460,35 @@ def decode_commit(data: bytes, *, step: int, what: str) -> Commit:
         config = body.get("config")
         if not isinstance(metrics, dict) or not (config is None or isinstance(config, dict)):
             raise ValueError("bad metrics or config")
+        _check_plain_tree(metrics, "metrics")
+        _check_plain_tree(config, "config")
         created = body.get("created")
-        if not isinstance(created, (int, float)) or isinstance(created, bool):
-            raise ValueError("bad creation time")
+        if (not isinstance(created, (int, float)) or isinstance(created, bool)
+                or not MIN_CREATED <= created <= MAX_CREATED):
+            raise ValueError(f"bad creation time {created!r:.40}")
+        if not isinstance(body.get("writer", ""), str):
+            raise ValueError("bad writer")
         return Commit(step=check_step(step), world_size=world_size, manifests=manifests, created=float(created),
                       bytes_total=_int(body.get("bytes_total", 0), "bytes_total"), metrics=metrics,
                       config=config, writer=str(body.get("writer", "")))
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError) as e:
         raise CorruptCheckpointError(f"invalid commit marker: {e}", step=step, blob=what) from None
+
+
+MIN_CREATED, MAX_CREATED = 0.0, 253402300799.0      # 1970-01-01 .. 9999-12-31 UTC: datetime can print it
+
+
+def _check_plain_tree(value: Any, what: str, depth: int = 0) -> None:
+    """Metrics and config hold plain values: maps with str keys, lists, str, bytes, numbers, bool, None."""
+    if depth > 64:
+        raise ValueError(f"{what}: nested too deeply")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"{what}: key {k!r:.40} is not a str")
+            _check_plain_tree(v, f"{what}.{k}", depth + 1)
+    elif isinstance(value, list):
+        for v in value:
+            _check_plain_tree(v, what, depth + 1)
+    elif not isinstance(value, _PLAIN_VALUE_TYPES):
+        raise ValueError(f"{what}: a {type(value).__name__} is not a plain value")

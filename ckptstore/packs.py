@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import zstandard
 
-from .blobs import compress, decompress, digest_bytes, _MIN_ZSTD_GAIN
+from .blobs import compress, decompress_into, digest_bytes, zstd_claim_possible, _MIN_ZSTD_GAIN
 from .errors import CorruptCheckpointError
 from .layout import pack_path
 from .manifest import ChunkRef
@@ -213,13 +213,14 @@ def _finish(it: ReadItem, stored: memoryview) -> None:
     """Decode one chunk's stored bytes into ``it.out`` (unless read there already) and verify its id."""
     ref = it.ref
     if ref.codec == "zstd":
+        if not zstd_claim_possible(ref.stored, ref.nbytes):
+            raise _corrupt(f"{ref.stored} bytes of zstd cannot hold {ref.nbytes} bytes", it)
         try:
-            raw = decompress(bytes(stored), ref.nbytes)
-        except zstandard.ZstdError as e:
+            got = decompress_into(stored, it.out)           # bounded by the declared size, streaming
+        except (zstandard.ZstdError, ValueError) as e:
             raise _corrupt(f"chunk unreadable ({e})", it) from None
-        if len(raw) != ref.nbytes:
-            raise _corrupt(f"chunk decodes to {len(raw)} bytes, expected {ref.nbytes}", it)
-        it.out[:] = raw
+        if got != ref.nbytes:
+            raise _corrupt(f"chunk decodes to {got} bytes, expected {ref.nbytes}", it)
     elif stored is not None:
         it.out[:] = stored
     if digest_bytes(it.out, threads=True) != ref.blob_id:
@@ -234,6 +235,8 @@ def _read_span(storage, pack: str, offset: int, length: int, items: List[ReadIte
         got = storage.read_range_into(path, offset, buf)
     except FileNotFoundError:
         raise _corrupt("pack missing", items[0]) from None
+    except OSError as e:
+        raise _corrupt(f"pack unreadable ({e.strerror or e})", items[0]) from None
     for it in items:
         lo = it.ref.offset - offset
         if lo + it.ref.stored > got:

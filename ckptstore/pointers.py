@@ -12,6 +12,7 @@ from typing import Optional
 from .layout import LATEST, check_step
 
 POINTER_FORMAT = 1
+MAX_POINTER_BYTES = 4096          # a pointer is ~30 bytes; anything much longer is garbage, not parsed
 
 
 def encode_pointer(step: int) -> bytes:
@@ -20,17 +21,20 @@ def encode_pointer(step: int) -> bytes:
 
 def decode_pointer(data: bytes) -> Optional[int]:
     """The step a pointer names, or ``None`` for a garbled pointer (it is only a hint)."""
+    if len(data) > MAX_POINTER_BYTES:
+        return None
     try:
         obj = json.loads(data.decode())
         return check_step(obj["step"])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+    except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError, RecursionError, OverflowError):
         return None
 
 
 def read_latest(storage) -> Optional[int]:
+    """The step the local pointer names, or ``None`` when it is missing, garbled, or not a regular file."""
     try:
         return decode_pointer(storage.read_bytes(LATEST))
-    except FileNotFoundError:
+    except OSError:
         return None
 
 

@@ -12,7 +12,9 @@ from typing import Any, Callable, List, Optional, Union
 import numpy as np
 import torch
 
-from .blobs import BlobStore
+from .blobs import BlobStore, zstd_claim_possible
+from .errors import CorruptCheckpointError
+from .layout import pack_path
 from .manifest import ARRAY_KINDS, Manifest
 from .packs import ReadItem, read_chunks
 from .state import TORCH_DTYPES, Node, path_str
@@ -31,9 +33,9 @@ def read_nodes(blobs: BlobStore, manifest: Manifest, *, executor: Executor, map_
     """
     nodes: List[Node] = []
     pending, packed = [], []
-    for mnode in manifest.nodes:
-        if select is not None and mnode.path and not select(mnode.path):
-            continue
+    chosen = [m for m in manifest.nodes if select is None or not m.path or select(m.path)]
+    stored = stored_sizes(blobs, manifest, chosen, executor=executor)
+    for mnode in chosen:
         if mnode.kind not in ARRAY_KINDS:
             value = mnode.payload
             if mnode.kind == "bigint":
@@ -43,16 +45,21 @@ def read_nodes(blobs: BlobStore, manifest: Manifest, *, executor: Executor, map_
             nodes.append(Node(mnode.path, mnode.kind, value))
             continue
         entry = mnode.payload
-        buf = torch.empty(entry.nbytes, dtype=torch.uint8)
+        key = path_str(mnode.path)
+        try:
+            buf = torch.empty(entry.nbytes, dtype=torch.uint8)
+        except (RuntimeError, MemoryError) as e:
+            raise CorruptCheckpointError(f"cannot allocate the {entry.nbytes} bytes the manifest claims "
+                                         f"({type(e).__name__})", step=manifest.step, key=key) from None
         mv = memoryview(buf.numpy()).cast("B") if entry.nbytes else memoryview(bytearray())
         off = 0
-        key = path_str(mnode.path)
         for c in entry.chunks:
             if c.pack is not None:
                 packed.append(ReadItem(c, mv[off: off + c.nbytes], manifest.step, key))
             else:
-                pending.append(executor.submit(blobs.read_into, c.blob_id, c.codec, mv[off: off + c.nbytes],
-                                               step=manifest.step, key=key))
+                codec, size = stored[("blob", c.blob_id, c.codec)]
+                pending.append(executor.submit(blobs.read_into, c.blob_id, codec, mv[off: off + c.nbytes],
+                                               step=manifest.step, key=key, size=size))
             off += c.nbytes
         node = Node(mnode.path, mnode.kind, (buf, entry))
         nodes.append(node)
@@ -69,6 +76,48 @@ def read_nodes(blobs: BlobStore, manifest: Manifest, *, executor: Executor, map_
         if node.kind in ARRAY_KINDS:
             node.value = _materialise(node.kind, *node.value, map_location)
     return nodes
+
+
+def stored_sizes(blobs: BlobStore, manifest: Manifest, chosen, *, executor: Executor,
+                 quarantine: bool = True) -> dict:
+    """Look up the stored size of every blob and pack the ``chosen`` nodes read (in parallel: one ``stat`` or
+    HEAD each), and check every chunk's claims against them **before anything is allocated**: a raw blob has
+    exactly its raw length, a packed range lies inside its pack, and no zstd chunk claims more raw bytes than
+    its stored bytes can hold. A manifest can thus never make a reader allocate more than the files hold.
+
+    Returns ``{("blob", id, codec): (codec found, size), ("pack", id): size}``. Raises
+    ``CorruptCheckpointError`` naming step, key and file for the first chunk whose claim cannot hold.
+    """
+    refs = [(path_str(m.path), c) for m in chosen if m.kind in ARRAY_KINDS for c in m.payload.chunks]
+    blob_keys = {("blob", c.blob_id, c.codec) for _, c in refs if c.pack is None}
+    pack_keys = {("pack", c.pack) for _, c in refs if c.pack is not None}
+    futures = {k: executor.submit(blobs.stat, k[1], k[2]) for k in blob_keys}
+    futures.update({k: executor.submit(blobs.storage.size, pack_path(k[1])) for k in pack_keys})
+    out, error = {}, None
+    for k, f in futures.items():
+        try:
+            out[k] = f.result()
+        except OSError as e:
+            error = error or CorruptCheckpointError(f"cannot stat ({e.strerror or e})", step=manifest.step,
+                                                    blob=k[1])
+    if error is not None:
+        raise error
+    for key, c in refs:
+        if c.pack is None:
+            codec, size = out[("blob", c.blob_id, c.codec)]
+            blobs.check_claim(c.blob_id, codec, size, c.nbytes, step=manifest.step, key=key, quarantine=quarantine)
+            continue
+        size = out[("pack", c.pack)]
+        where = f"(pack {c.pack}, bytes [{c.offset}, {c.offset + c.stored}))"
+        if size is None:
+            raise CorruptCheckpointError(f"pack missing {where}", step=manifest.step, key=key, blob=c.blob_id)
+        if c.offset + c.stored > size:
+            raise CorruptCheckpointError(f"pack ends at byte {size}, before the chunk's end {where}",
+                                         step=manifest.step, key=key, blob=c.blob_id)
+        if c.codec != "raw" and not zstd_claim_possible(c.stored, c.nbytes):
+            raise CorruptCheckpointError(f"{c.stored} bytes of zstd cannot hold {c.nbytes} bytes {where}",
+                                         step=manifest.step, key=key, blob=c.blob_id)
+    return out
 
 
 def _materialise(kind: str, buf: torch.Tensor, entry, map_location: MapLocation) -> Any:

@@ -33,7 +33,7 @@ from .errors import CorruptCheckpointError, IncompatibleCheckpointError
 from .manifest import ARRAY_KINDS, CONTAINER_KINDS, Commit, Manifest
 from .packs import ReadItem, read_chunks
 from .sharding import SavedShard, ShardIndex, fill, is_dtensor, target_box
-from .state import TORCH_DTYPES, KeyPath, Node, path_str
+from .state import TORCH_DTYPES, KeyPath, Node, path_str, unflatten
 
 log = logging.getLogger("ckptstore")
 
@@ -213,8 +213,10 @@ class StepLoader:
             for i, n in sharded:
                 target = leaves.get(n.path[0], {}).get(n.path)
                 nodes[i] = Node(n.path, "tensor", self._fill(n, target, reader))
-        from .state import unflatten
-        return unflatten(nodes)
+        try:
+            return unflatten(nodes)
+        except (ValueError, TypeError, KeyError, IndexError) as e:
+            raise CorruptCheckpointError(f"invalid key tree ({e})", step=step) from None
 
     def _fill(self, n, target, reader: SpanReader):
         entry, key = n.payload, path_str(n.path)

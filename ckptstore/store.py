@@ -17,18 +17,18 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, MutableMapping, Optional
 
 from . import __version__
-from .blobs import CODECS, BlobStore
+from .blobs import CODECS, BlobStore, stream_check
 from .catalog import Catalog
 from .collective import default_coordinator
 from .commit import agree_commit, make_part, root_identity
 from .errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from .gc import GCReport, collect
 from .index import ChunkIndex
-from .layout import check_step, manifest_path
+from .layout import check_step, manifest_path, pack_path
 from .manifest import Commit, Manifest, ManifestNode, ArrayEntry, encode_commit
 from .packs import PackBuffers, Packing, ReadItem, read_chunks
 from .pointers import read_latest, write_latest, clear_latest
-from .reader import MapLocation, read_nodes
+from .reader import MapLocation, read_nodes, stored_sizes
 from .restore import StepLoader
 from .resolve import candidates, split_load_path
 from .retention import RetentionPolicy
@@ -325,7 +325,11 @@ class Store:
         self._index.replace(r for per_spec in refs for r in per_spec)
         t_commit = time.perf_counter()
         if committed:
-            self._apply_retention(step, since=t0)
+            try:
+                self._apply_retention(step, since=t0)
+            except Exception as e:          # the step is committed: a failed cleanup must not fail the save
+                log.error("step %d is committed; retention / gc after it failed: %s: %s", step,
+                          type(e).__name__, e)
             if self._uploader is not None:
                 self._uploader.enqueue(step)
         t_end = time.perf_counter()
@@ -403,15 +407,14 @@ class Store:
                              root_identity(self.storage.local_path("")))
 
             def write_commit(manifests, total):
-                commit = self._new_commit(step, manifests, total, metrics)
-                data = encode_commit(commit)
-                self.catalog.write_commit_bytes(step, data)
-                self._point_to_if_newest(step)
+                data = encode_commit(self._new_commit(step, manifests, total, metrics))
+                self._write_commit_marker(step, data)
+                self._point_to_committed(step)
                 return data
 
             def write_copy(data):
-                self.catalog.write_commit_bytes(step, data)
-                self._point_to_if_newest(step)
+                self._write_commit_marker(step, data)
+                self._point_to_committed(step)
             try:
                 return agree_commit(self._coord, tag, step, part, timeout=self.collective_timeout,
                                     write_commit=write_commit, write_copy=write_copy)
@@ -428,9 +431,27 @@ class Store:
                                           f"{self.collective_timeout:.0f} s; the step is left uncommitted")
                 time.sleep(0.05)
             manifests[r] = self.catalog.manifest_digest(step, r)
-        self.catalog.write_commit(self._new_commit(step, manifests, bytes_total, metrics))
-        self._point_to_if_newest(step)
+        self._write_commit_marker(step, encode_commit(self._new_commit(step, manifests, bytes_total, metrics)))
+        self._point_to_committed(step)
         return True
+
+    def _write_commit_marker(self, step: int, data: bytes) -> None:
+        """Write the commit marker. An ``OSError`` after which the marker is in place with these bytes (e.g.
+        ENOSPC / EIO from the directory fsync after the rename) means the step IS committed, visible to every
+        reader: the save must not report it as failed."""
+        try:
+            self.catalog.write_commit_bytes(step, data)
+        except OSError as e:
+            if not _quiet(lambda: self.catalog.read_commit_bytes(step)[0] == data):
+                raise
+            log.warning("step %d is committed, but writing its commit marker reported: %s", step, e)
+
+    def _point_to_committed(self, step: int) -> None:
+        """After the commit: the latest pointer is only a hint, so a failure to move it is logged, not raised."""
+        try:
+            self._point_to_if_newest(step)
+        except Exception as e:
+            log.warning("step %d is committed; moving the latest pointer failed (it is only a hint): %s", step, e)
 
     def _new_commit(self, step, manifests, bytes_total, metrics) -> Commit:
         return Commit(step=step, world_size=self.world_size, manifests=manifests, created=time.time(),
@@ -686,12 +707,15 @@ class Store:
             loaded = loader.load(wanted, targets, rank_local=rank_local)
         finally:
             self._touched = self._touched or loader.touched
-        for key in list(state):
-            if key not in loaded:
-                continue
+        # Plain values were all read and verified above (DTensor targets were filled in place). Stateful
+        # objects first: their load_state_dict may still refuse (a shape mismatch); plain entries are replaced
+        # only once all of them accepted, so a failed restore leaves them as they were.
+        keys = [k for k in list(state) if k in loaded]
+        for key in keys:
             if is_stateful(state[key]):
                 state[key].load_state_dict(loaded[key])
-            else:
+        for key in keys:
+            if not is_stateful(state[key]):
                 state[key] = loaded[key]
         if components is None and not strict and (missing or unexpected):
             log.warning("resumed step %d partially: not in checkpoint %s, not in state %s", step, sorted(missing),
@@ -784,8 +808,11 @@ class Store:
         return out
 
     def _verify_manifest(self, manifest: Manifest, batch_bytes: int = 64 << 20) -> None:
-        """Read and hash every distinct chunk of ``manifest``; at most ``batch_bytes`` of packed chunks are held
-        at once. Raises ``CorruptCheckpointError`` for the first bad chunk."""
+        """Read and hash every distinct chunk of ``manifest`` in bounded memory: sizes are checked against the
+        files first, at most ``batch_bytes`` of small packed chunks are held at once, and blobs and large
+        chunks are hashed as streams. Read-only: nothing is quarantined. Raises ``CorruptCheckpointError`` for
+        the first bad chunk."""
+        stored_sizes(self.blobs, manifest, manifest.nodes, executor=self._pool, quarantine=False)
         seen, futures, batch, held = set(), [], [], 0
 
         def flush():
@@ -798,13 +825,17 @@ class Store:
                 if c.blob_id in seen:
                     continue
                 seen.add(c.blob_id)
+                key = path_str(node.path)
                 if c.pack is None:
-                    futures.append(self._pool.submit(self.blobs.verify, c.blob_id, c.codec, c.nbytes))
-                    continue
-                batch.append(ReadItem(c, memoryview(bytearray(c.nbytes)), manifest.step, path_str(node.path)))
-                held += c.nbytes
-                if held >= batch_bytes:
-                    flush()
+                    futures.append(self._pool.submit(self.blobs.verify, c.blob_id, c.codec, c.nbytes,
+                                                     step=manifest.step, key=key))
+                elif c.nbytes > _STREAM_VERIFY_BYTES:
+                    futures.append(self._pool.submit(_verify_packed_stream, self.storage, c, manifest.step, key))
+                else:
+                    batch.append(ReadItem(c, memoryview(bytearray(c.nbytes)), manifest.step, key))
+                    held += c.nbytes
+                    if held >= batch_bytes:
+                        flush()
         flush()
         for f in futures:
             f.result()
@@ -860,6 +891,26 @@ class Store:
         return f"Store({self.root!r}, rank={self.rank}, world_size={self.world_size})"
 
 
+_STREAM_VERIFY_BYTES = 16 << 20
+
+
+def _verify_packed_stream(storage, c, step, key) -> None:
+    """Hash one large packed chunk as a stream (``verify`` holds at most a few MiB per chunk)."""
+    import zstandard
+    try:
+        ok, got = stream_check(storage, pack_path(c.pack), c.codec, nbytes=c.nbytes, blob_id=c.blob_id,
+                               offset=c.offset, stored=c.stored)
+    except OSError as e:
+        raise CorruptCheckpointError(f"pack unreadable ({e.strerror or e})", step=step, key=key,
+                                     blob=c.blob_id) from None
+    except (ValueError, zstandard.ZstdError) as e:
+        raise CorruptCheckpointError(f"chunk unreadable ({e}) (pack {c.pack})", step=step, key=key,
+                                     blob=c.blob_id) from None
+    if not ok:
+        raise CorruptCheckpointError(f"chunk content does not match its hash (pack {c.pack})", step=step,
+                                     key=key, blob=c.blob_id)
+
+
 def _quiet(fn) -> bool:
     try:
         return bool(fn())
@@ -870,13 +921,3 @@ def _quiet(fn) -> bool:
 def _local_path(root) -> str:
     root = os.fspath(root)
     return root[len("file://"):] if root.startswith("file://") else root
-
-
-def _dist_if_initialized(world_size: int):
-    if world_size <= 1:
-        return None
-    try:
-        import torch.distributed as dist
-        return dist if dist.is_available() and dist.is_initialized() else None
-    except Exception:  # pragma: no cover
-        return None

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Set, Tuple
 
 import blake3
+import zstandard
 
 from .blobs import decompress, digest_bytes
 from .catalog import Catalog
@@ -189,7 +190,10 @@ class StepCopier:
                 payload = self.call(lambda: self.src.read_bytes(path), f"read blob {blob_id}")
             except FileNotFoundError:
                 raise CorruptCheckpointError("blob missing", step=step, blob=blob_id) from None
-            raw = payload if codec == "raw" else decompress(payload, nbytes)
+            try:
+                raw = payload if codec == "raw" else decompress(payload, nbytes)   # bounded by nbytes
+            except (ValueError, zstandard.ZstdError) as e:
+                raise CorruptCheckpointError(f"blob unreadable ({e})", step=step, blob=blob_id) from None
             if len(raw) != nbytes or digest_bytes(raw) != blob_id:
                 raise CorruptCheckpointError("blob content does not match its hash", step=step, blob=blob_id)
             wrote = self.call(lambda: self.dst.write_new(path, payload), f"write blob {blob_id}")

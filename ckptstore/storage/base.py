@@ -16,6 +16,10 @@ from typing import List, Optional, Union
 Buffer = Union[bytes, bytearray, memoryview]
 
 
+class NotRegularFileError(OSError):
+    """A store path names something other than a regular file (a FIFO, a device, a directory): never read."""
+
+
 def content_token(data: bytes):
     """A version token derived from the content, for backends without object versions."""
     import hashlib

@@ -12,15 +12,13 @@ from typing import List, Optional
 
 import fsspec
 
+from ..redact import redact, register_secrets, split_userinfo
 from .base import Buffer, Storage
 
 
 def _redact(url: str) -> str:
-    # never let credentials embedded in a URL reach logs or error messages
-    if "@" in url.split("/", 3)[2] if "://" in url else False:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return url
+    # never let credentials embedded in a URL reach logs or error messages (see ckptstore.redact)
+    return redact(url)
 
 
 def _is_precondition_failure(e: BaseException) -> bool:
@@ -33,9 +31,26 @@ def _is_precondition_failure(e: BaseException) -> bool:
 class FsspecStorage(Storage):
     coalesce_gap = 4 << 20              # one request costs ~ms; 4 MiB at ~100-400 MB/s costs about as much
     def __init__(self, url: str, storage_options: Optional[dict] = None):
-        self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-        self.root = root.rstrip("/")
+        options = dict(storage_options or {})
+        register_secrets(options)
+        bare, userinfo = split_userinfo(url)
+        if userinfo is not None:
+            register_secrets(None, userinfo)
+            if bare.split("://", 1)[0] in ("s3", "s3a"):
+                # s3fs does not read credentials from a URL: it would take "KEY:SECRET@bucket" for the bucket
+                # name and print it in every error. Use them as the credentials they are, and drop them from
+                # the URL so that no path built from it can carry them.
+                user, _, password = userinfo.partition(":")
+                options.setdefault("key", user)
+                if password:
+                    options.setdefault("secret", password)
+                url = bare
         self.url = _redact(url)
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **options)
+        except Exception as e:                      # the library's message may quote the URL or the options
+            raise ValueError(f"cannot open {self.url}: {type(e).__name__}: {redact(e)}") from None
+        self.root = root.rstrip("/")
         self._create_ok = True
 
     def _p(self, path: str) -> str:

@@ -14,13 +14,14 @@ import fcntl
 import mmap
 import os
 import shutil
+import stat
 import threading
 import uuid
 from typing import List, Optional
 
 import numpy as np
 
-from .base import Buffer, Storage
+from .base import Buffer, NotRegularFileError, Storage
 
 ALIGN = 4096
 DIRECT_MIN_BYTES = 1 << 20          # below this, O_DIRECT's bookkeeping is not worth it
@@ -77,13 +78,25 @@ class LocalStorage(Storage):
         return parent
 
     # -- reads --------------------------------------------------------------------------------------------
+    # Only regular files are read: a FIFO, device or directory planted at a store path must neither hang a
+    # reader (open(2) of a FIFO blocks without O_NONBLOCK) nor stream forever (/dev/zero).
+    def _open_regular(self, path: str) -> int:
+        full = self._abs(path)
+        fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise NotRegularFileError(errno.EINVAL, "not a regular file", full)
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
     def read_bytes(self, path: str) -> bytes:
-        with open(self._abs(path), "rb") as f:
+        with os.fdopen(self._open_regular(path), "rb") as f:
             return f.read()
 
     def read_into(self, path: str, out: memoryview) -> int:
-        full = self._abs(path)
-        with open(full, "rb", buffering=0) as f:
+        with os.fdopen(self._open_regular(path), "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             if size > len(out):
                 raise ValueError(f"{path}: {size} bytes do not fit in a buffer of {len(out)}")
@@ -97,7 +110,7 @@ class LocalStorage(Storage):
 
     def read_range_into(self, path: str, offset: int, out: memoryview) -> int:
         """``pread`` of ``len(out)`` bytes at ``offset`` (one system call for most ranges)."""
-        fd = os.open(self._abs(path), os.O_RDONLY)
+        fd = self._open_regular(path)
         try:
             got, n = 0, len(out)
             while got < n:
@@ -110,10 +123,12 @@ class LocalStorage(Storage):
             os.close(fd)
 
     def size(self, path: str) -> Optional[int]:
+        """Size of a regular file; ``None`` when missing or not a regular file (nothing a reader may open)."""
         try:
-            return os.stat(self._abs(path)).st_size
-        except FileNotFoundError:
+            st = os.stat(self._abs(path))
+        except (FileNotFoundError, NotADirectoryError):
             return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
 
     def mtime(self, path: str) -> Optional[float]:
         try:
@@ -250,9 +265,8 @@ class LocalStorage(Storage):
         return self._abs(path)
 
     def read_versioned(self, path: str):
-        full = self._abs(path)
         try:
-            with open(full, "rb") as f:
+            with os.fdopen(self._open_regular(path), "rb") as f:
                 st = os.fstat(f.fileno())
                 return f.read(), (st.st_ino, st.st_mtime_ns, st.st_size)
         except FileNotFoundError:
