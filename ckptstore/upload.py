@@ -37,7 +37,7 @@ class Uploader:
     def __init__(self, local, remote, *, workers: int = 8, retry: Optional[RetryPolicy] = None,
                  max_backlog: int = 8, on_uploaded: Optional[Callable[[int], None]] = None):
         self.local, self.remote = local, remote
-        self.copier = StepCopier(local, remote, workers=workers, retry=retry)
+        self.copier = StepCopier(local, remote, workers=workers, retry=retry, mark_src=True)
         self.retry = self.copier.retry
         self.max_backlog = max(1, max_backlog)
         self.on_uploaded = on_uploaded
