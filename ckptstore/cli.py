@@ -180,7 +180,7 @@ def verify_cmd(root, step, storage_options):
               help="Keep anything younger than this many seconds (protects saves in flight).")
 @click.option("--dry-run", is_flag=True, help="Report what would be deleted.")
 @click.option("--force", is_flag=True, help="Sweep even when some committed step is unreadable.")
-@click.option("--repack", "repack", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+@click.option("--repack", "repack", type=click.FloatRange(0, 1), default=0.5, show_default=True,
               help="Rewrite packs whose live bytes are below this fraction of their size (0: never).")
 @click.option("--wait", "wait_seconds", type=float, default=600.0, show_default=True,
               help="Seconds to wait for saves / uploads in flight before deferring (nothing deleted).")

@@ -716,7 +716,7 @@ class Store:
 
     # -- maintenance --------------------------------------------------------------------------------------
     def gc(self, *, grace_seconds: float = 3600.0, dry_run: bool = False, force: bool = False,
-           repack: Optional[float] = None, wait_seconds: float = 600.0) -> GCReport:
+           repack: Optional[float] = 0.5, wait_seconds: float = 600.0) -> GCReport:
         """Garbage-collect unreferenced blobs and packs, uncommitted step directories, replaced manifests and
         temp files older than ``grace_seconds``; first repack every pack whose live bytes are below ``repack``
         (a fraction of its size; ``None``: no repack). See :func:`ckptstore.gc.collect`.
