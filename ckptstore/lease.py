@@ -301,15 +301,23 @@ def gc_holder(storage) -> Optional[dict]:
     return None if is_stale(info, storage.mtime(GC_LEASE)) else info
 
 
+class GCBusy(CheckpointError):
+    """A gc / repack held the store for longer than a writer was willing to wait."""
+
+
 class WriterOp:
     """An operation that may reference objects already in the store (a save, a step copied in), registered by
     an in-flight marker from before it decides what it may reuse until it is committed (or has failed).
-    ``begin`` waits while a gc / repack holds the store (withdrawing its marker meanwhile)."""
+    ``begin`` waits while a gc / repack holds the store (withdrawing its marker meanwhile), then raises
+    :class:`GCBusy`. ``end`` may be called from another thread while ``begin`` still runs (an attempt given up
+    as stalled): the marker is then removed as soon as ``begin`` has written it."""
 
     def __init__(self, storage, kind: str = "save", wait: Optional[float] = None, **extra):
         self.storage, self.kind, self.extra = storage, kind, extra
         self.wait = WRITER_WAIT if wait is None else wait
         self.marker: Optional[_Held] = None
+        self._ended = False
+        self._lock = threading.Lock()
 
     @property
     def token(self) -> Optional[str]:
@@ -321,21 +329,26 @@ class WriterOp:
         while True:
             info = holder(self.kind, **self.extra)
             path = inflight_path(info["token"])
-            self.storage.write_atomic(path, (json.dumps(info, sort_keys=True) + "\n").encode())
             marker = _Held(self.storage, path, info)
+            # create-only under a fresh name; not fsynced: after a power loss the marker's process is gone too
+            self.storage.write_new(path, marker._body())
             gc = gc_holder(self.storage)
             if gc is None:
-                self.marker = marker
-                HEARTBEAT.add(marker)
-                return self
+                with self._lock:
+                    if not self._ended:
+                        self.marker = marker
+                        HEARTBEAT.add(marker)
+                        return self
+                marker.release()
+                raise CheckpointError(f"{self.storage.url}: {self.kind} abandoned before it began")
             marker.release()                            # withdraw, so the deleter can go on
             if not announced:
                 log.info("%s: waiting for %s before saving", self.storage.url, describe(gc))
                 announced = True
             while gc_holder(self.storage) is not None:
                 if time.monotonic() >= deadline:
-                    raise CheckpointError(f"{self.storage.url}: {describe(gc)} has held the store for more than "
-                                          f"{self.wait:.0f} s; not writing")
+                    raise GCBusy(f"{self.storage.url}: {describe(gc)} has held the store for more than "
+                                 f"{self.wait:.0f} s; not writing")
                 time.sleep(POLL)
 
     def check(self) -> None:
@@ -346,9 +359,11 @@ class WriterOp:
                 self.marker.check()
 
     def end(self) -> None:
-        if self.marker is not None:
-            self.marker.release()
-            self.marker = None
+        with self._lock:
+            self._ended = True
+            marker, self.marker = self.marker, None
+        if marker is not None:
+            marker.release()
 
 
 def live_markers(storage, exclude: Iterable[str] = (), remove_stale: bool = True) -> List[dict]:
