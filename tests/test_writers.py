@@ -247,6 +247,26 @@ def test_remote_gc_honours_an_upload_in_flight(remote_url):
     assert remote.listdir(INFLIGHT) == []
 
 
+def test_second_uploader_into_one_remote_is_refused(tmp_path, memory_url):
+    from ckptstore import UploadError
+    opts = dict(remote=memory_url.url, storage_options=memory_url.storage_options)
+    with Store(tmp_path / "a", **opts) as a:
+        a.save({"x": torch.ones(3)}, 1)
+        a.wait_for_uploads()
+        b = Store(tmp_path / "b", **opts)                                 # another job, same remote prefix
+        with pytest.raises(UploadError, match=f"already has a writer: writer of host .* pid {os.getpid()}"):
+            b.save({"x": torch.zeros(3)}, 2)                              # raised here, or by the wait
+            b.wait_for_uploads(timeout=30)
+        try:
+            b.close()
+        except UploadError:
+            pass
+        a.save({"x": torch.ones(3) * 2}, 3)                               # the first one goes on
+        a.wait_for_uploads()
+    with Store(memory_url.url, storage_options=memory_url.storage_options, create=False) as r:
+        assert r.steps() == [1, 3] and r.verify() == {1: None, 3: None}
+
+
 # -- a failed save never costs a committed step -------------------------------------------------------------
 class Exploding:
     def state_dict(self):
