@@ -116,6 +116,41 @@ def test_a_holder_that_lost_its_lease_does_not_commit(tmp_path):
         assert s.steps() == [1]
 
 
+KILLED_MID_SAVE = """
+    import sys, time, torch
+    from ckptstore import Store
+    from ckptstore.catalog import Catalog
+    real = Catalog.write_manifest
+    def hang(self, *a, **kw):
+        print("in flight", flush=True)
+        time.sleep(600)
+    with Store(sys.argv[1]) as s:
+        s.save({"w": torch.ones(100_000)}, 1)
+        Catalog.write_manifest = hang
+        s.save({"w": torch.zeros(100_000)}, 2)
+"""
+
+
+def test_a_killed_writer_leaves_nothing_that_blocks_gc_or_the_next_job(tmp_path):
+    p = child(KILLED_MID_SAVE, tmp_path)
+    try:
+        wait_line(p, "in flight")
+        assert len(list((tmp_path / INFLIGHT).iterdir())) == 1 and (tmp_path / WRITER_LEASE).exists()
+        with Store(tmp_path) as s:
+            assert s.gc(grace_seconds=0, wait_seconds=0.5).deferred          # a live save: gc waits
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        with Store(tmp_path) as s:
+            r = s.gc(grace_seconds=0, wait_seconds=0.5)                   # its marker is stale: removed
+            assert not r.deferred and r.packs_deleted == 1                 # the killed save's pack
+            s.save({"w": torch.full((100_000,), 3.0)}, 3)                 # its lease is taken over
+    finally:
+        p.kill()
+        p.wait()
+    assert list((tmp_path / INFLIGHT).iterdir()) == []
+    assert all_valid(tmp_path) == [1, 3]
+
+
 def test_ranks_of_one_job_share_the_root(tmp_path):
     """Only rank 0 holds the lease; the other ranks' saves are in flight beside it (DDP on one root)."""
     errors = []
