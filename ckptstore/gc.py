@@ -136,6 +136,7 @@ def _collect(storage, catalog, blobs, report, deleter, grace_seconds, force, kee
                      buffers=buffers)
         if report.packs_repacked:
             live, live_packs = referenced(catalog, committed, GCReport())
+            now = time.time()                     # the packs retired just now count as retired for 0 s
 
     # manifests a commit marker no longer names (a re-save or repack replaced them), once the marker is old
     if not linked(STEPS):

@@ -86,7 +86,10 @@ def test_repack_threshold(tmp_path):
     make_store(tmp_path)
     with Store(tmp_path) as s:
         assert s.gc(grace_seconds=0, repack=0.0).packs_repacked == 0      # 0: only fully dead packs go
-        assert s.gc(grace_seconds=0, repack=1.0).packs_repacked >= 1
+        before = disk_bytes(tmp_path)
+        r = s.gc(grace_seconds=0, repack=1.0)
+        assert r.packs_repacked >= 1 and r.packs_deleted == r.packs_repacked   # grace 0: old ones go at once
+        assert disk_bytes(tmp_path) < before
     check(tmp_path, [2, 4, 6])
 
 
