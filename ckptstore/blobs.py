@@ -162,6 +162,11 @@ class BlobStore:
         with self._lock:
             self._known.pop(blob_id, None)
 
+    def forget_all(self) -> None:
+        """Forget which blobs exist (another process's gc may have removed some)."""
+        with self._lock:
+            self._known.clear()
+
     def put(self, blob_id: str, data: memoryview, codec: str = "raw", level: int = 1) -> Tuple[str, int]:
         """Store ``data`` (raw bytes whose digest is ``blob_id``) unless already present.
 

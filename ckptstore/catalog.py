@@ -78,10 +78,10 @@ class Catalog:
                                          f"expected {want_size})", step=commit.step, blob=path)
         return data, decode_manifest(data, step=commit.step, rank=rank, what=path)
 
-    def manifest_digest(self, step: int, rank: int) -> Tuple[bytes, int, int]:
-        """(digest, size, generation 0) of a rank's freshly written manifest, for the commit marker."""
-        data = self.storage.read_bytes(manifest_path(step, rank))
-        return bytes.fromhex(digest_bytes(data)), len(data), 0
+    def manifest_digest(self, step: int, rank: int, gen: int = 0) -> Tuple[bytes, int, int]:
+        """(digest, size, generation) of a rank's freshly written manifest, for the commit marker."""
+        data = self.storage.read_bytes(manifest_path(step, rank, gen))
+        return bytes.fromhex(digest_bytes(data)), len(data), gen
 
     # -- writing ------------------------------------------------------------------------------------------
     def write_manifest(self, manifest: Manifest, gen: int = 0) -> Tuple[bytes, int, int]:

@@ -218,15 +218,26 @@ def verify_cmd(root, step, storage_options):
               help="Keep anything younger than this many seconds (protects saves in flight).")
 @click.option("--dry-run", is_flag=True, help="Report what would be deleted.")
 @click.option("--force", is_flag=True, help="Sweep even when some committed step is unreadable.")
+@click.option("--repack", "repack", type=click.FloatRange(0, 1), default=0.5, show_default=True,
+              help="Rewrite packs whose live bytes are below this fraction of their size (0: never).")
+@click.option("--wait", "wait_seconds", type=float, default=600.0, show_default=True,
+              help="Seconds to wait for saves / uploads in flight before deferring (nothing deleted).")
 @storage_options_opt
-def gc_cmd(root, grace_seconds, dry_run, force, storage_options):
+def gc_cmd(root, grace_seconds, dry_run, force, repack, wait_seconds, storage_options):
     """Delete blobs no committed step references, uncommitted step directories and stale temp files."""
     with _open(root, storage_options) as store:
-        r = store.gc(grace_seconds=grace_seconds, dry_run=dry_run, force=force)
+        r = store.gc(grace_seconds=grace_seconds, dry_run=dry_run, force=force, repack=repack or None,
+                     wait_seconds=wait_seconds)
+    if r.deferred:
+        console.print(_t(f"gc deferred, nothing deleted: {'; '.join(r.deferred)}"))
+        sys.exit(3)
     verb = "would delete" if dry_run else "deleted"
     console.print(_t(f"{verb} {r.blobs_deleted} blob(s), {r.packs_deleted} pack(s), {_human(r.bytes_freed)}; "
                      f"{len(r.steps_removed)} uncommitted step dir(s) {r.steps_removed or ''}; "
                      f"{r.temp_files_removed} temp file(s)"))
+    if r.packs_repacked:
+        console.print(_t(f"repacked {r.packs_repacked} pack(s) into {r.packs_written} ({_human(r.bytes_repacked)} "
+                         f"live), steps {r.steps_rewritten}"))
     if r.unreadable_steps:
         console.print(Text.assemble(_t(f"unreadable steps {r.unreadable_steps}: blobs were not swept", "red"),
                                     " (use --force)"))

@@ -14,6 +14,7 @@ Layout (format version 2; version 1 is the same without ``packs/`` and manifest 
     steps/<step:012d>/COMMIT       commit marker, written last: makes the step visible
     latest                         latest pointer (JSON), names the newest committed step
     quarantine/                    blobs found corrupt on read, moved aside so the next save rewrites them
+    locks/                         writer lease, gc lease, in-flight markers, gc epoch, retired packs
 """
 from __future__ import annotations
 
@@ -27,6 +28,13 @@ LATEST = "latest"
 QUARANTINE = "quarantine"
 COMMIT_NAME = "COMMIT"
 STORE_MARKER = "ckptstore.json"
+# coordination between writers and deleters (see FORMAT.md "Writers and deleters", ckptstore/lease.py)
+LOCKS = "locks"
+WRITER_LEASE = "locks/writer.json"       # the one job allowed to save into this root
+GC_LEASE = "locks/gc.json"               # the one deleter (gc, retention sweep, repack) running now
+INFLIGHT = "locks/inflight"              # locks/inflight/<token>.json: a save or copy in flight
+GC_EPOCH = "locks/gc-epoch"              # changes whenever a deleter removed something
+RETIRED = "locks/retired"                # locks/retired/<pack id>: a pack replaced by repack, and when
 
 CODEC_SUFFIX = {"raw": "", "zstd": ".zst"}
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -107,3 +115,18 @@ def parse_manifest_name(name: str):
 
 def commit_path(step: int) -> str:
     return f"{step_dir(step)}/{COMMIT_NAME}"
+
+
+def inflight_path(token: str) -> str:
+    if not re.match(r"^[0-9a-f]{32}$", token):
+        raise ValueError(f"invalid in-flight token {token!r}")
+    return f"{INFLIGHT}/{token}.json"
+
+
+def parse_inflight_name(name: str):
+    m = re.match(r"^([0-9a-f]{32})\.json$", name)
+    return m.group(1) if m else None
+
+
+def retired_path(pack_id: str) -> str:
+    return f"{RETIRED}/{check_blob_id(pack_id)}"

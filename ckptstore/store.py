@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, MutableMapping, Optional
 
@@ -24,6 +24,7 @@ from .commit import agree_commit, make_part, root_identity
 from .errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from .gc import GCReport, collect
 from .index import ChunkIndex
+from .lease import WriterOp, acquire_writer, read_epoch
 from .layout import check_step, manifest_path, pack_path
 from .manifest import Commit, Manifest, ManifestNode, ArrayEntry, encode_commit
 from .packs import PackBuffers, Packing, ReadItem, read_chunks
@@ -45,6 +46,7 @@ from .writer import write_arrays
 log = logging.getLogger("ckptstore")
 
 DEFAULT_CHUNK_SIZE = 64 << 20
+RETENTION_WAIT = 5.0      # seconds retention's sweep waits for other ranks' saves in flight before deferring
 
 
 class SaveHandle:
@@ -204,6 +206,10 @@ class Store:
         self._staging = StagingPool()
         self._inflight: Optional[SaveHandle] = None
         self._maint = threading.RLock()             # saves vs retention / gc: never sweep under a save
+        self._writer_lease = None                   # locks/writer.json, taken by rank 0 at its first save
+        self._op: Optional[WriterOp] = None         # the save in flight's in-flight marker
+        self._epoch = None                          # gc epoch seen at the last save (see ckptstore.lease)
+        self._save_gen = 0                          # manifest generation the save in flight writes
         self._closed = False
         self.storage_options = dict(storage_options or {})
         self.load_path = load_path
@@ -251,7 +257,9 @@ class Store:
         check_step(step)
         metrics = normalize(metrics or {}, "metrics")
         tag = self._coord.next_tag(f"save/{step}") if self._coord is not None else None
+        op = None
         try:
+            op = self._begin_write(step)               # before the index: see ckptstore.lease
             self._index.prepare(self.catalog, self.rank)   # before the snapshot: it decides what is unchanged
             gc_was_enabled = gc.isenabled()
             gc.disable()          # the snapshot is short and allocation-heavy: no heap-wide GC pass mid-stall
@@ -261,6 +269,7 @@ class Store:
                 if gc_was_enabled:
                     gc.enable()
         except BaseException as e:
+            self._end_write(op)
             if tag is not None:                       # the other ranks must learn it: they raise too
                 self._commit(step, None, 0, metrics, tag=tag, error=e)
             raise
@@ -297,21 +306,55 @@ class Store:
 
     def _write_and_commit(self, step, nodes, stateful, specs, metrics, t0, stall, pool, tag=None) -> SaveResult:
         t_start = time.perf_counter()
-        with self._maint:
-            return self._write_and_commit_locked(step, nodes, stateful, specs, metrics, t0, stall, t_start, pool,
-                                                 tag)
+        try:
+            with self._maint:
+                return self._write_and_commit_locked(step, nodes, stateful, specs, metrics, t0, stall, t_start,
+                                                     pool, tag)
+        finally:
+            self._end_write(self._op)
+
+    def _begin_write(self, step: int) -> WriterOp:
+        """Rank 0 takes the writer lease at its first save (a second job is refused, naming the holder); every
+        rank registers the save as in flight (waiting while a gc holds the store); after a gc elsewhere, what
+        this store believed about existing blobs and packs is dropped. See FORMAT.md, "Writers and deleters"."""
+        if self.rank == 0 and self._writer_lease is None:
+            self._writer_lease = acquire_writer(self.storage, job=self.root)
+        if self._writer_lease is not None:
+            self._writer_lease.check()
+        self._end_write(self._op)
+        op = self._op = WriterOp(self.storage, "save", step=step, rank=self.rank).begin()
+        epoch = read_epoch(self.storage)
+        if epoch != self._epoch:
+            self.blobs.forget_all()
+            self._index.clear()
+            self._epoch = epoch
+        return op
+
+    def _end_write(self, op: Optional[WriterOp]) -> None:
+        if op is not None:
+            op.end()
+            if self._op is op:
+                self._op = None
+
+    def _check_still_writer(self) -> None:
+        """Just before a commit: the writer lease and this save's in-flight marker must still be ours."""
+        if self._writer_lease is not None:
+            self._writer_lease.check()
+        if self._op is not None:
+            self._op.check()
 
     def _write_and_commit_locked(self, step, nodes, stateful, specs, metrics, t0, stall, t_start, pool, tag):
         try:
             try:
-                self._prepare_step(step)
+                self._save_gen = self._prepare_step(step)
                 refs, stats = write_arrays(self.blobs, specs, chunk_size=self.chunk_size, codec=self.codec,
                                            level=self.zstd_level, executor=pool, packing=self.packing,
                                            index=self._index, buffers=self._pack_buffers)
                 t_blobs = time.perf_counter()
                 manifest = Manifest(step=step, rank=self.rank, world_size=self.world_size, stateful=stateful,
                                     nodes=self._manifest_nodes(nodes, specs, refs))
-                digest = self.catalog.write_manifest(manifest)
+                digest = self.catalog.write_manifest(manifest, self._save_gen)
+                self._check_still_writer()
             except BaseException as e:
                 if tag is not None:                   # tell the other ranks; raises CommitError from e
                     self._commit(step, None, 0, metrics, tag=tag, error=e)
@@ -369,13 +412,22 @@ class Store:
             out.append(ManifestNode(n.path, kind, payload))
         return out
 
-    def _prepare_step(self, step: int) -> None:
-        """Make room for (re)writing ``step``: a committed step of that number is uncommitted first."""
-        if self.rank != 0 or not self.catalog.is_committed(step):
-            return
-        log.warning("step %d is already committed in %s: replacing it", step, self.root)
-        self._point_away_from(step)
-        self.catalog.uncommit(step)
+    def _prepare_step(self, step: int) -> int:
+        """The manifest generation this save of ``step`` writes: 0 for a new step; for a committed one, one more
+        than any its commit marker names, so the old step stays intact (and loadable) until the new commit
+        marker replaces the old one atomically. A failed re-save therefore costs nothing committed; its
+        manifests and objects are unreferenced, and gc reclaims them."""
+        if not self.catalog.is_committed(step):
+            return 0
+        try:
+            commit = self.catalog.read_commit(step)
+            gen = max(g for _, _, g in commit.manifests.values()) + 1
+        except CorruptCheckpointError:
+            gen = 1                                   # a damaged marker: replaced all the same
+        if self.rank == 0:
+            log.warning("step %d is already committed in %s: replacing it (manifest generation %d)", step,
+                        self.root, gen)
+        return gen
 
     def _point_away_from(self, step: int) -> None:
         """Before ``step`` stops being committed: if the local latest pointer names it, move the pointer to the
@@ -425,12 +477,12 @@ class Store:
         manifests = {0: own_digest}
         deadline = time.monotonic() + self.collective_timeout
         for r in range(1, self.world_size):
-            while not self.storage.exists(manifest_path(step, r)):
+            while not self.storage.exists(manifest_path(step, r, self._save_gen)):
                 if time.monotonic() > deadline:
                     raise CheckpointError(f"step {step}: rank {r} wrote no manifest within "
                                           f"{self.collective_timeout:.0f} s; the step is left uncommitted")
                 time.sleep(0.05)
-            manifests[r] = self.catalog.manifest_digest(step, r)
+            manifests[r] = self.catalog.manifest_digest(step, r, self._save_gen)
         self._write_commit_marker(step, encode_commit(self._new_commit(step, manifests, bytes_total, metrics)))
         self._point_to_committed(step)
         return True
@@ -459,17 +511,29 @@ class Store:
                       writer=f"ckptstore {__version__}")
 
     def _apply_retention(self, step: int, since: float) -> None:
-        protected = set(self._uploader.pending()) if self._uploader is not None else set()
-        doomed = [s for s in self.retention.to_delete(self.catalog.committed_steps()) if s not in protected]
-        for s in doomed:
-            self.catalog.delete_step(s)
-        stale = [s for s in self.catalog.step_dirs() if s < step and not self.catalog.is_committed(s)]
-        if doomed or (stale and self.world_size == 1):
-            # Blobs written before this save began and no longer referenced can go: this process has no
-            # other save in flight. Uncommitted directories of older steps are crash leftovers.
-            collect(self.storage, self.catalog, self.blobs,
-                    grace_seconds=max(0.0, time.perf_counter() - since) if self.world_size == 1 else 3600.0,
-                    keep_steps={step}, index=self._index)
+        """After a commit (rank 0): delete the steps retention drops, then sweep under the gc lease (waiting a
+        little for other ranks' saves in flight, else deferring the sweep to a later save). Step ``step`` is
+        committed already: a failure here is logged, never raised (an exception from ``save`` means the step
+        is not committed)."""
+        try:
+            protected = set(self._uploader.pending()) if self._uploader is not None else set()
+            doomed = [s for s in self.retention.to_delete(self.catalog.committed_steps()) if s not in protected]
+            for s in doomed:
+                self.catalog.delete_step(s)
+            stale = [s for s in self.catalog.step_dirs() if s < step and not self.catalog.is_committed(s)]
+            if doomed or (stale and self.world_size == 1):
+                # Blobs written before this save began and no longer referenced can go: no save is in flight
+                # (the gc lease waits for in-flight markers). Uncommitted directories of older steps are crash
+                # leftovers of this job (it holds the writer lease).
+                r = collect(self.storage, self.catalog, self.blobs,
+                            grace_seconds=max(0.0, time.perf_counter() - since) if self.world_size == 1 else 3600.0,
+                            keep_steps={step}, index=self._index, exclude=[self._op.token if self._op else None],
+                            wait=RETENTION_WAIT)
+                if not r.deferred:
+                    self._epoch = read_epoch(self.storage)
+        except Exception as e:
+            log.error("step %d is committed, but retention / gc after it failed (retried after the next save): "
+                      "%s: %s", step, type(e).__name__, e)
 
     def _after_upload(self, step: int) -> None:
         """Uploader callback: apply ``keep_local`` (local steps older than the newest uploaded one may go)."""
@@ -483,7 +547,7 @@ class Store:
             for s in doomed:
                 self.catalog.delete_step(s)
             if doomed:
-                collect(self.storage, self.catalog, self.blobs, grace_seconds=0.0, index=self._index)
+                collect(self.storage, self.catalog, self.blobs, grace_seconds=0.0, index=self._index, wait=0.0)
                 log.info("keep_local=%d: removed local steps %s (uploaded)", self.keep_local, doomed)
 
     def wait_for_uploads(self, timeout: Optional[float] = None) -> None:
@@ -784,12 +848,27 @@ class Store:
                  stats.blobs_copied, stats.bytes_copied, stats.seconds)
 
     # -- maintenance --------------------------------------------------------------------------------------
-    def gc(self, *, grace_seconds: float = 3600.0, dry_run: bool = False, force: bool = False) -> GCReport:
-        """Garbage-collect unreferenced blobs, uncommitted step directories and temp files older than
-        ``grace_seconds``. See :func:`ckptstore.gc.collect`."""
+    def gc(self, *, grace_seconds: float = 3600.0, dry_run: bool = False, force: bool = False,
+           repack: Optional[float] = 0.5, wait_seconds: float = 600.0) -> GCReport:
+        """Garbage-collect unreferenced blobs and packs, uncommitted step directories, replaced manifests and
+        temp files older than ``grace_seconds``; first repack every pack whose live bytes are below ``repack``
+        (a fraction of its size; ``None``: no repack). See :func:`ckptstore.gc.collect`.
+
+        Waits for this store's save in flight, then takes the gc lease and waits up to ``wait_seconds`` for
+        saves in flight elsewhere (other ranks, other processes); past that, nothing is deleted and
+        ``GCReport.deferred`` says who was in the way."""
         self._check_open()
-        return collect(self.storage, self.catalog, self.blobs, grace_seconds=grace_seconds, dry_run=dry_run,
-                       force=force, index=self._index)
+        handle = self._inflight
+        if handle is not None:
+            futures_wait([handle._future])         # its error, if any, stays for wait() / the next save
+        with self._maint:
+            r = collect(self.storage, self.catalog, self.blobs, grace_seconds=grace_seconds, dry_run=dry_run,
+                        force=force, index=self._index, repack=repack, wait=wait_seconds,
+                        buffers=self._pack_buffers)
+            if r.packs_repacked:
+                self._index.clear()                  # its packs were retired: learn the new locations
+                self._versions.clear()
+            return r
 
     def verify(self, step: Optional[int] = None) -> Dict[int, Optional[str]]:
         """Check every blob of the given step (default: all committed steps) by reading and hashing it.
@@ -863,8 +942,13 @@ class Store:
             try:
                 self.wait()
             finally:
-                if self._uploader is not None:
-                    self._uploader.close()
+                try:
+                    if self._uploader is not None:
+                        self._uploader.close()
+                finally:
+                    self._end_write(self._op)
+                    if self._writer_lease is not None:
+                        self._writer_lease.release()
         finally:
             self._closed = True
             self._coord = None                      # holds the process group's key-value store: let it go

@@ -23,6 +23,8 @@ from .blobs import decompress, digest_bytes
 from .catalog import Catalog
 from .errors import CorruptCheckpointError, UploadError
 from .layout import blob_path, commit_path, manifest_path, pack_path
+from . import lease
+from .lease import WriterOp, read_epoch
 from .manifest import Commit, Manifest
 from .retry import RetryPolicy
 from .threads import background_pool
@@ -61,8 +63,11 @@ class StepCopier:
     they are copied or found), so an object is looked up at most once and never copied twice.
     """
 
-    def __init__(self, src, dst, *, workers: int = 8, retry: Optional[RetryPolicy] = None):
+    def __init__(self, src, dst, *, workers: int = 8, retry: Optional[RetryPolicy] = None,
+                 mark_src: bool = False):
         self.src, self.dst = src, dst
+        self.mark_src = mark_src         # also register the copy as in flight on src (our own root)
+        self._dst_epoch = None
         self.src_catalog, self.dst_catalog = Catalog(src), Catalog(dst)
         self.retry = retry or RetryPolicy()
         self.known_dst: Set[Tuple[str, str]] = set()
@@ -204,7 +209,54 @@ class StepCopier:
 
     def copy_step(self, step: int) -> TransferStats:
         """Copy one committed step. Raises ``CorruptCheckpointError`` if the source is damaged (nothing of the
-        step becomes visible on ``dst``), :class:`~ckptstore.errors.UploadError` past the retry deadline."""
+        step becomes visible on ``dst``), :class:`~ckptstore.errors.UploadError` past the retry deadline.
+
+        The copy is registered as in flight on ``dst`` (and on ``src`` with ``mark_src``), so a gc there waits
+        for it (see :mod:`ckptstore.lease`); after a gc on ``dst`` what we knew of its objects is dropped."""
+        ops = [self._begin_on_dst(step)]
+        try:
+            if self.mark_src:
+                ops.append(WriterOp(self.src, "copy", step=step).begin())
+            epoch = self.call(lambda: read_epoch(self.dst), "read gc epoch")
+            if epoch != self._dst_epoch:
+                with self._lock:
+                    self.known_dst.clear()
+                self._dst_epoch = epoch
+            return self._copy_step(step)
+        finally:
+            for op in ops:
+                try:
+                    op.end()
+                except Exception as e:             # stale after its TTL: a gc removes it then
+                    log.warning("could not remove the in-flight marker of step %d: %s", step, e)
+
+    def _begin_on_dst(self, step: int) -> WriterOp:
+        """Register the copy as in flight on ``dst``: each attempt under the retry policy (a stalled server
+        fails by the deadline), attempts given up on are ended (a late one removes its own marker), and a gc
+        on ``dst`` is waited for up to ``lease.WRITER_WAIT`` seconds."""
+        attempts: List[WriterOp] = []
+
+        def attempt() -> WriterOp:
+            op = WriterOp(self.dst, "copy", wait=0.0, step=step)
+            attempts.append(op)
+            return op.begin()
+        deadline = time.monotonic() + lease.WRITER_WAIT
+        op = None
+        try:
+            while op is None:
+                try:
+                    op = self.call(attempt, f"mark step {step} in flight on {self.dst.url}")
+                except lease.GCBusy:
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.2)
+            return op
+        finally:
+            for other in attempts:
+                if other is not op:
+                    self._calls.submit(other.end)      # may do I/O on a stalled server: not on this thread
+
+    def _copy_step(self, step: int) -> TransferStats:
         t0 = time.perf_counter()
         commit_bytes, commit, manifests = self.read_step(step)
         blobs, packs = {}, set()

@@ -25,6 +25,7 @@ from typing import Callable, List, Optional
 
 from .catalog import Catalog
 from .errors import UploadError
+from .lease import acquire_writer
 from .pointers import advance_latest
 from .retry import RetryPolicy
 from .threads import lower_priority
@@ -37,7 +38,7 @@ class Uploader:
     def __init__(self, local, remote, *, workers: int = 8, retry: Optional[RetryPolicy] = None,
                  max_backlog: int = 8, on_uploaded: Optional[Callable[[int], None]] = None):
         self.local, self.remote = local, remote
-        self.copier = StepCopier(local, remote, workers=workers, retry=retry)
+        self.copier = StepCopier(local, remote, workers=workers, retry=retry, mark_src=True)
         self.retry = self.copier.retry
         self.max_backlog = max(1, max_backlog)
         self.on_uploaded = on_uploaded
@@ -48,6 +49,7 @@ class Uploader:
         self._derived = False
         self._cond = threading.Condition()
         self._closing = False
+        self._lease = None                           # the remote's writer lease (see ckptstore.lease)
         self._thread = threading.Thread(target=self._run, name="ckptstore-upload", daemon=True)
         self._thread.start()
 
@@ -98,11 +100,15 @@ class Uploader:
                 self._cond.notify_all()
             self._thread.join(timeout=5)
             self.copier.close()
+            if self._lease is not None:
+                self._lease.release()
 
     # -- the thread -----------------------------------------------------------------------------------------
     def _derive(self) -> None:
         """Pending steps = local committed steps newer than the remote's newest committed step."""
         remote_steps = self.copier.call(lambda: Catalog(self.remote).committed_steps(), "list remote steps")
+        if self._lease is None:          # one job uploads into a remote root: a second is refused, naming us
+            self._lease = acquire_writer(self.remote, job=self.local.url)
         newest_remote = remote_steps[-1] if remote_steps else None
         if newest_remote is not None:
             self.copier.remember_dst_step(newest_remote)
@@ -138,6 +144,8 @@ class Uploader:
                     continue
                 step = self._current = self._queue.pop(0)
             try:
+                if self._lease is not None:
+                    self._lease.check()
                 if not Catalog(self.local).is_committed(step):
                     log.info("step %d is no longer committed locally; not uploading it", step)
                 else:

@@ -130,6 +130,10 @@ class Storage(ABC):
         """Modification time (seconds since the epoch), or ``None`` if unknown / missing."""
         return None
 
+    def is_link(self, path: str) -> bool:
+        """Whether ``path`` is a symbolic link (gc never deletes through one); object stores have none."""
+        return False
+
     def sync(self, dirs) -> None:
         """Make durable what :meth:`write_new` created, and the entries of ``dirs`` (local disk); no-op where
         every write is durable when it returns (object stores)."""

@@ -136,6 +136,9 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             return None
 
+    def is_link(self, path: str) -> bool:
+        return os.path.islink(self._abs(path))
+
     def listdir(self, path: str) -> List[str]:
         try:
             return sorted(os.listdir(self._abs(path)))
