@@ -222,13 +222,31 @@ class Store:
         self._touched = False                       # DTensor targets written in place by a resume attempt
         self.remote_storage: Optional[Storage] = None
         self._uploader: Optional[Uploader] = None
+        self._upload_args: Optional[Dict[str, Any]] = None
         self._upload_retry = upload_retry or RetryPolicy()
         if remote is not None:
             self.remote_storage = open_storage(remote, self.storage_options)
-            if self.rank == 0 and upload:           # one uploader per store root: rank 0's
-                self._uploader = Uploader(self.storage, self.remote_storage, workers=upload_workers,
-                                          retry=self._upload_retry, max_backlog=upload_backlog,
-                                          on_uploaded=self._after_upload)
+            self._upload_args = dict(workers=upload_workers, retry=self._upload_retry, max_backlog=upload_backlog,
+                                     on_uploaded=self._after_upload) if upload else None
+            if self.rank == 0 and upload:           # one uploader per store root: rank 0's, and a parts-only
+                self._uploader = Uploader(self.storage, self.remote_storage, **self._upload_args)
+                # one for each other root, started by its lowest rank at its first commit (see _commit), or
+                # now when this root already shows it is such a root (a restarted job finishing uploads)
+            elif upload and self._leads_other_root():
+                self._uploader = Uploader(self.storage, self.remote_storage, parts_only=True, **self._upload_args)
+
+    def _leads_other_root(self) -> bool:
+        """Whether this root is a node-local root without rank 0's parts and this rank is the lowest rank
+        whose parts it holds (judged from its newest committed step): that rank uploads the root's parts."""
+        for step in reversed(self.catalog.committed_steps()):
+            try:
+                commit = self.catalog.read_commit(step)
+            except CheckpointError:
+                continue
+            here = [r for r, (_, _, g) in sorted(commit.manifests.items())
+                    if self.storage.exists(manifest_path(step, r, g))]
+            return bool(here) and 0 not in here and here[0] == self.rank
+        return False
 
     # -- saving -------------------------------------------------------------------------------------------
     def save(self, state: Mapping[str, Any], step: int, *, metrics: Optional[Mapping[str, Any]] = None,
@@ -367,6 +385,9 @@ class Store:
         self._versions.record(specs, refs)
         self._index.replace(r for per_spec in refs for r in per_spec)
         t_commit = time.perf_counter()
+        if committed and self._uploader is None and self._upload_args is not None:
+            # the lowest rank of a root other than rank 0's (node-local disks) uploads that root's parts
+            self._uploader = Uploader(self.storage, self.remote_storage, parts_only=True, **self._upload_args)
         if committed:
             try:
                 self._apply_retention(step, since=t0)
@@ -701,7 +722,7 @@ class Store:
             if remote_catalog is None:
                 raise CorruptCheckpointError("not committed in this rank's root and no remote to pull from",
                                              step=step)
-            self._pull(step)
+            self._pull(step, ranks=self._own_part(remote_catalog, step))
             pulled.add(step)
             tier = "remote"
         try:
@@ -716,6 +737,13 @@ class Store:
             self._restore(state, self.catalog, self.blobs, step, strict=strict, check_config=True,
                           rank_local=rank_local)
             return "remote"
+
+    def _own_part(self, catalog, step) -> Optional[List[int]]:
+        """The ranks whose parts this rank needs from ``catalog``'s ``step``: its own when the world size is
+        unchanged (a node pulls only what its ranks read), else all (resharding reads any rank's shards)."""
+        if self.world_size > 1 and catalog.read_commit(step).world_size == self.world_size:
+            return [self.rank]
+        return None
 
     def _agree_outcome(self, tag, step, error, fatal):
         """Every rank's outcome for ``step`` -> rank 0 -> the same answer everywhere: ``(None, False)`` when
@@ -835,12 +863,13 @@ class Store:
         self._pull(step)
         return step
 
-    def _pull(self, step: int) -> None:
-        """Copy a committed remote step into the local root (blobs verified), then mark it committed here."""
+    def _pull(self, step: int, ranks: Optional[List[int]] = None) -> None:
+        """Copy a committed remote step (``ranks``' parts only, if given) into the local root (blobs
+        verified), then mark it committed here."""
         copier = StepCopier(self.remote_storage, self.storage, retry=self._upload_retry)
         try:
             with self._maint:
-                stats = copier.copy_step(step)
+                stats = copier.copy_step(step, ranks=ranks)
                 self._point_to_if_newest(step)
         finally:
             copier.close()

@@ -88,12 +88,18 @@ class StepCopier:
         self._disturbed = True
 
     # -- reading the source step ----------------------------------------------------------------------------
-    def read_step(self, step: int) -> Tuple[bytes, Commit, List[Tuple[int, bytes, Manifest]]]:
-        """The source step's commit marker (bytes and decoded) and manifests, verified against each other."""
+    def read_step(self, step: int, ranks=None) -> Tuple[bytes, Commit, List[Tuple[int, bytes, Manifest]]]:
+        """The source step's commit marker (bytes and decoded) and manifests, verified against each other.
+        ``ranks``: only these ranks' manifests (default: every rank the marker names); ``"present"``: those
+        whose manifest file exists in the source (a node-local root holds only its own ranks' parts)."""
         commit_bytes, commit = self.call(lambda: self.src_catalog.read_commit_bytes(step),
                                          f"read commit of step {step}")
+        if ranks == "present":
+            ranks = [r for r, (_, _, g) in commit.manifests.items()
+                     if self.call(lambda r=r, g=g: self.src.exists(manifest_path(step, r, g)),
+                                  f"look up manifest of step {step} rank {r}")]
         manifests = []
-        for rank in sorted(commit.manifests):
+        for rank in sorted(commit.manifests if ranks is None else set(ranks) & set(commit.manifests)):
             data, manifest = self.call(lambda r=rank: self.src_catalog.read_manifest_bytes(commit, r),
                                        f"read manifest of step {step} rank {rank}")
             manifests.append((rank, data, manifest))
@@ -207,9 +213,16 @@ class StepCopier:
             self.known_dst.add(key)
         return sent
 
-    def copy_step(self, step: int) -> TransferStats:
+    def copy_step(self, step: int, *, ranks=None, marker: str = "write",
+                  others_timeout: Optional[float] = None) -> TransferStats:
         """Copy one committed step. Raises ``CorruptCheckpointError`` if the source is damaged (nothing of the
         step becomes visible on ``dst``), :class:`~ckptstore.errors.UploadError` past the retry deadline.
+
+        ``ranks``: copy only these ranks' parts (see :meth:`read_step`; default all). ``marker``: ``"write"``
+        the commit marker after the parts; ``"skip"`` it (a node uploading its ranks' parts: rank 0's uploader
+        commits); ``"after_all"``: write it only once every rank's manifest is on ``dst`` with the digest the
+        marker names (parts copied by other nodes), waiting up to ``others_timeout`` seconds (default: the
+        retry deadline) and raising ``UploadError`` naming the missing ranks after that.
 
         The copy is registered as in flight on ``dst`` (and on ``src`` with ``mark_src``), so a gc there waits
         for it (see :mod:`ckptstore.lease`); after a gc on ``dst`` what we knew of its objects is dropped."""
@@ -222,7 +235,7 @@ class StepCopier:
                 with self._lock:
                     self.known_dst.clear()
                 self._dst_epoch = epoch
-            return self._copy_step(step)
+            return self._copy_step(step, ranks, marker, others_timeout)
         finally:
             for op in ops:
                 try:
@@ -256,9 +269,9 @@ class StepCopier:
                 if other is not op:
                     self._calls.submit(other.end)      # may do I/O on a stalled server: not on this thread
 
-    def _copy_step(self, step: int) -> TransferStats:
+    def _copy_step(self, step: int, ranks=None, marker: str = "write", others_timeout=None) -> TransferStats:
         t0 = time.perf_counter()
-        commit_bytes, commit, manifests = self.read_step(step)
+        commit_bytes, commit, manifests = self.read_step(step, ranks)
         blobs, packs = {}, set()
         for _, _, m in manifests:
             for c in m.chunk_refs():
@@ -276,8 +289,11 @@ class StepCopier:
                 path = manifest_path(step, rank, commit.manifests[rank][2])
                 self.call(lambda p=path, d=data: self.dst.write_atomic(p, d), f"write {path}")
             if not self._disturbed:
-                self.call(lambda: self.dst.write_atomic(commit_path(step), commit_bytes),
-                           f"write commit of step {step}")
+                if marker == "after_all":
+                    self._await_other_parts(step, commit, {r for r, _, _ in manifests}, others_timeout)
+                if marker != "skip":
+                    self.call(lambda: self.dst.write_atomic(commit_path(step), commit_bytes),
+                              f"write commit of step {step}")
                 if not self._disturbed:
                     break
             # A call failed and was retried (outage, timeout): the destination may have lost or never stored
@@ -292,6 +308,31 @@ class StepCopier:
             raise UploadError(f"step {step}: the destination kept failing while its blobs were checked")
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def _await_other_parts(self, step: int, commit: Commit, copied, timeout: Optional[float]) -> None:
+        """Wait until ``dst`` holds the manifest of every rank not in ``copied`` (uploaded by the nodes that
+        hold them), each matching the digest in the commit marker. Its blobs and packs were written before it
+        (every node's upload order), so the step is then complete on ``dst``."""
+        deadline = time.monotonic() + (self.retry.deadline if timeout is None else timeout)
+        missing = sorted(set(commit.manifests) - set(copied))
+        delay = 0.05
+        while missing:
+            for r in list(missing):
+                digest, size, gen = commit.manifests[r]
+                path = manifest_path(step, r, gen)
+                try:
+                    data = self.call(lambda p=path: self.dst.read_bytes(p), f"read {path}")
+                except FileNotFoundError:
+                    continue
+                if len(data) == size and digest_bytes(data) == digest.hex():
+                    missing.remove(r)
+            if not missing:
+                return
+            if time.monotonic() >= deadline:
+                raise UploadError(f"step {step}: the parts of rank(s) {missing} did not reach {self.dst.url} "
+                                  "(their node has not uploaded them): the step is not committed there")
+            time.sleep(delay)
+            delay = min(2.0, delay * 2)
 
     def _copy_objects(self, step: int, blobs, packs, stats: TransferStats) -> None:
         # packs first: they are the large objects, and the pool overlaps them with the many small blobs

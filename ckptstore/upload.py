@@ -35,9 +35,16 @@ log = logging.getLogger("ckptstore")
 
 
 class Uploader:
+    """Uploads the committed steps of one local root. ``parts_only``: the root of a node other than rank 0's
+    (node-local disks): upload its ranks' parts only (chunks, then manifests); rank 0's uploader writes the
+    remote commit marker and pointer once every rank's part is there. Rank 0's uploader copies the parts its
+    own root holds and then waits for the others' (see :meth:`StepCopier.copy_step`)."""
+
     def __init__(self, local, remote, *, workers: int = 8, retry: Optional[RetryPolicy] = None,
-                 max_backlog: int = 8, on_uploaded: Optional[Callable[[int], None]] = None):
+                 max_backlog: int = 8, on_uploaded: Optional[Callable[[int], None]] = None,
+                 parts_only: bool = False):
         self.local, self.remote = local, remote
+        self.parts_only = parts_only
         self.copier = StepCopier(local, remote, workers=workers, retry=retry, mark_src=True)
         self.retry = self.copier.retry
         self.max_backlog = max(1, max_backlog)
@@ -107,7 +114,9 @@ class Uploader:
     def _derive(self) -> None:
         """Pending steps = local committed steps newer than the remote's newest committed step."""
         remote_steps = self.copier.call(lambda: Catalog(self.remote).committed_steps(), "list remote steps")
-        if self._lease is None:          # one job uploads into a remote root: a second is refused, naming us
+        if self._lease is None and not self.parts_only:
+            # one job uploads into a remote root: a second is refused, naming us (the other nodes of this job
+            # upload parts only, under rank 0's lease)
             self._lease = acquire_writer(self.remote, job=self.local.url)
         newest_remote = remote_steps[-1] if remote_steps else None
         if newest_remote is not None:
@@ -149,8 +158,12 @@ class Uploader:
                 if not Catalog(self.local).is_committed(step):
                     log.info("step %d is no longer committed locally; not uploading it", step)
                 else:
-                    stats = self.copier.copy_step(step)
-                    self.copier.call(lambda: advance_latest(self.remote, step), f"advance remote latest to {step}")
+                    if self.parts_only:
+                        stats = self.copier.copy_step(step, ranks="present", marker="skip")
+                    else:
+                        stats = self.copier.copy_step(step, ranks="present", marker="after_all")
+                        self.copier.call(lambda: advance_latest(self.remote, step),
+                                         f"advance remote latest to {step}")
                     self.uploaded.append(stats)
                     log.info("uploaded step %d: %d/%d blobs, %d bytes in %.2f s", step, stats.blobs_copied,
                              stats.blobs_total, stats.bytes_copied, stats.seconds)

@@ -49,7 +49,10 @@ class Job:
                 text, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
                 self.outputs[r] = text
                 found = [ln[len("RESULT "):] for ln in text.splitlines() if ln.startswith("RESULT ")]
-                out[r] = json.loads(found[-1]) if found else None
+                merged: Optional[dict] = None
+                for line in found:                      # later lines add to earlier ones
+                    merged = {**(merged or {}), **json.loads(line)}
+                out[r] = merged
         except subprocess.TimeoutExpired:
             self.kill()
             raise

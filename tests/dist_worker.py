@@ -136,6 +136,9 @@ def main():
     ap.add_argument("--rank-local", default="error")
     ap.add_argument("--progress", type=int, default=0, help="save a per-rank progress dict (rank-local)")
     ap.add_argument("--ddp", type=int, default=0, help="DDP (replicated) instead of FSDP2")
+    ap.add_argument("--so", default="{}", help="storage options of --remote, as JSON")
+    ap.add_argument("--no-upload-node", type=int, default=-1, help="ranks 2n, 2n+1 do not upload")
+    ap.add_argument("--upload-deadline", type=float, default=60.0)
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -144,7 +147,10 @@ def main():
     app = AppState(model, optim)
     progress = {"consumed": 0, "rank": rank} if args.progress else None
     store_root = args.store.replace("{rank}", str(rank)).replace("{node}", str(rank // 2))
-    store = Store(store_root, collective_timeout=args.timeout, remote=args.remote)
+    from ckptstore.retry import RetryPolicy
+    store = Store(store_root, collective_timeout=args.timeout, remote=args.remote,
+                  storage_options=json.loads(args.so), upload=rank // 2 != args.no_upload_node,
+                  upload_retry=RetryPolicy(deadline=args.upload_deadline, op_timeout=30))
     state = {"app": app, "step": 0}
     if progress is not None:
         state["progress"] = progress
@@ -181,9 +187,10 @@ def main():
         fs = full_state(model, optim)
         if rank == 0 and args.full:
             torch.save({"step": step, "state": fs, "progress": progress}, args.full)
-        print("RESULT " + json.dumps({"rank": rank, "result": "loaded", "step": step, "progress": state.get("progress")}),
-              flush=True)
-        store.close()
+        print("RESULT " + json.dumps({"rank": rank, "result": "loaded", "step": step,
+                                      "tier": (store.resumed_from or {}).get("tier"),
+                                      "progress": state.get("progress")}), flush=True)
+        close_and_report(store, rank)
         finish()
         return
 
@@ -207,8 +214,17 @@ def main():
         fs = full_state(model, optim)
         if rank == 0:
             torch.save({"step": step, "state": fs, "progress": progress}, args.full)
-    store.close()
+    close_and_report(store, rank)
     finish()
+
+
+def close_and_report(store, rank):
+    """Close the store (waits for uploads) and print how that went."""
+    try:
+        store.close()
+        print("RESULT " + json.dumps({"rank": rank, "close": "ok"}), flush=True)
+    except CheckpointError as e:
+        print("RESULT " + json.dumps({"rank": rank, "close": f"{type(e).__name__}: {e}"}), flush=True)
 
 
 def finish():

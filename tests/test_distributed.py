@@ -183,3 +183,39 @@ def test_fsdp2_job_sigkilled_resumes_bit_for_bit(tmp_path, blocking):
     for step, values in got.items():
         assert values == ref[step], (step, values, ref[step])
     assert store_steps(store)[-1] == steps
+
+
+def test_two_nodes_upload_their_parts_and_the_remote_step_needs_all_of_them(tmp_path, s3_bucket_url):
+    """Ranks 0-1 and 2-3 have their own local roots (two "nodes") and one loopback S3 remote. Each node
+    uploads its own ranks' parts; rank 0 commits the remote step only once all four parts are there."""
+    import json
+    import shutil
+    import fsspec
+    roots, url = str(tmp_path / "node{node}"), s3_bucket_url.url
+    so = json.dumps(s3_bucket_url.storage_options)
+    fs, prefix = fsspec.core.url_to_fs(url, **s3_bucket_url.storage_options)
+
+    def remote_files():
+        fs.invalidate_cache()
+        return {p[len(prefix):].lstrip("/") for p in fs.find(prefix)}
+    # node 1 does not upload: rank 0 uploads its node's parts, waits for the others, gives up, commits nothing
+    res = run(4, "--mode", "save", "--store", roots, "--remote", url, "--so", so, "--steps", "2",
+              "--full", str(tmp_path / "w.pt"), "--no-upload-node", "1", "--upload-deadline", "4")
+    assert "rank(s) [2, 3]" in res[0]["close"] and "not committed" in res[0]["close"]
+    files = remote_files()
+    assert "steps/000000000002/manifest-rank00000.msgpack" in files
+    assert "steps/000000000002/manifest-rank00002.msgpack" not in files
+    assert "steps/000000000002/COMMIT" not in files and "latest" not in files
+    # the job restarts: node 1's lowest rank sees its root holds parts to upload; rank 0 then commits
+    res = run(4, "--mode", "load", "--store", roots, "--remote", url, "--so", so)
+    assert {r["close"] for r in res.values()} == {"ok"} and {r["step"] for r in res.values()} == {2}
+    files = remote_files()
+    assert {f"steps/000000000002/manifest-rank{r:05d}.msgpack" for r in range(4)} <= files
+    assert "steps/000000000002/COMMIT" in files
+    # node 1 loses its disk: its ranks pull their own parts from S3 and the job resumes bit for bit
+    shutil.rmtree(tmp_path / "node1")
+    res = run(4, "--mode", "load", "--store", roots, "--remote", url, "--so", so, "--full", str(tmp_path / "g.pt"))
+    assert [res[r]["tier"] for r in range(4)] == ["local", "local", "remote", "remote"]
+    assert_same_state(full(tmp_path / "g.pt")["state"], full(tmp_path / "w.pt")["state"])
+    names = sorted(p.name for p in step_dir(tmp_path / "node1", 2).glob("manifest-*"))
+    assert names == ["manifest-rank00002.msgpack", "manifest-rank00003.msgpack"]
