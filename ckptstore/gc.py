@@ -49,13 +49,18 @@ class GCReport:
 
 
 def referenced(catalog, committed: List[int], report: GCReport):
-    """``(blob ids, pack ids)`` referenced by the readable committed steps; unreadable ones go to ``report``."""
+    """``(blob ids, pack ids)`` referenced by the readable committed steps; unreadable ones go to ``report``.
+
+    A manifest that is absent references nothing here: a node-local root holds its own ranks' parts only (see
+    FORMAT.md, "Distributed saves"). One that is present but unreadable stops the sweep, as before."""
     live: Set[str] = set()
     packs: Set[str] = set()
     for step in committed:
         try:
             commit = catalog.read_commit(step)
             for rank in sorted(commit.manifests):
+                if not catalog.storage.exists(manifest_path(step, rank, commit.manifests[rank][2])):
+                    continue
                 m = catalog.read_manifest(commit, rank)
                 live |= m.blob_ids()
                 packs |= m.pack_ids()

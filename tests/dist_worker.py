@@ -139,6 +139,7 @@ def main():
     ap.add_argument("--so", default="{}", help="storage options of --remote, as JSON")
     ap.add_argument("--no-upload-node", type=int, default=-1, help="ranks 2n, 2n+1 do not upload")
     ap.add_argument("--upload-deadline", type=float, default=60.0)
+    ap.add_argument("--keep-last", type=int, default=None)
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -150,6 +151,7 @@ def main():
     from ckptstore.retry import RetryPolicy
     store = Store(store_root, collective_timeout=args.timeout, remote=args.remote,
                   storage_options=json.loads(args.so), upload=rank // 2 != args.no_upload_node,
+                  keep_last=args.keep_last,
                   upload_retry=RetryPolicy(deadline=args.upload_deadline, op_timeout=30))
     state = {"app": app, "step": 0}
     if progress is not None:
@@ -210,7 +212,7 @@ def main():
                 os.fsync(f.fileno())
         if args.mode == "train" or step == args.steps:
             store.save(state, step, blocking=bool(args.blocking))
-    if args.mode == "save" and args.full:
+    if args.full:
         fs = full_state(model, optim)
         if rank == 0:
             torch.save({"step": step, "state": fs, "progress": progress}, args.full)

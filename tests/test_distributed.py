@@ -139,14 +139,18 @@ def test_ddp_replicated_state_is_stored_once(tmp_path):
 
 def test_node_local_roots_each_get_the_commit_and_resume(tmp_path):
     """Ranks 0-1 and 2-3 write to different roots (two "nodes"): each root gets its ranks' manifests and the
-    commit marker; resume with the same world size reads each rank's own root."""
+    commit marker, retention runs in each; resume with the same world size reads each rank's own root."""
     roots = str(tmp_path / "node{node}")
-    run(4, "--mode", "save", "--store", roots, "--steps", "2", "--full", str(tmp_path / "w.pt"))
+    run(4, "--mode", "train", "--store", roots, "--steps", "4", "--keep-last", "2", "--full", str(tmp_path / "w.pt"))
     for node in (0, 1):
-        d = step_dir(tmp_path / f"node{node}", 2)
+        assert store_steps(tmp_path / f"node{node}") == [3, 4]        # retention ran in each root
+        d = step_dir(tmp_path / f"node{node}", 4)
         assert (d / "COMMIT").exists()
         names = sorted(p.name for p in d.glob("manifest-*"))
         assert names == [f"manifest-rank{r:05d}.msgpack" for r in (2 * node, 2 * node + 1)]
+    with Store(tmp_path / "node1") as s:          # gc there: absent manifests are other nodes' parts
+        report = s.gc(grace_seconds=0)
+        assert report.unreadable_steps == [] and report.blobs_deleted + report.packs_deleted > 0
     run(4, "--mode", "load", "--store", roots, "--full", str(tmp_path / "got.pt"))
     assert_same_state(full(tmp_path / "got.pt")["state"], full(tmp_path / "w.pt")["state"])
 
