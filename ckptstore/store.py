@@ -128,7 +128,12 @@ class Store:
             ``config_may_change`` (dotted names; a name covers the keys below it).
         rank, world_size: default from ``torch.distributed`` when initialised, else ``RANK`` / ``WORLD_SIZE``
             environment variables, else 0 / 1. Each rank writes its own manifest; rank 0 writes the commit
-            marker once every rank's manifest exists.
+            marker once every rank's part is durable. Under an initialised process group of this world size,
+            ``save`` and ``resume`` are collective (see :mod:`ckptstore.commit`, :mod:`ckptstore.restore`);
+            without one, rank 0 polls the shared root for the other ranks' manifests.
+        collective_timeout: seconds a rank waits for the others in a collective save / resume (default
+            600) before raising ``CommitError`` naming the ranks that did not arrive. ``commit_timeout`` is
+            its former name.
         chunk_size: maximum bytes per chunk (default 64 MiB).
         packing: a :class:`~ckptstore.packs.Packing`: chunks under ``threshold`` bytes (default 4 MiB) are
             appended to pack files of about ``target_size`` bytes (default 64 MiB) instead of being one file
