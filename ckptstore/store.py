@@ -269,8 +269,14 @@ class Store:
         ``save`` first waits for the previous one. A background failure is raised by the handle's
         ``result()``, else by the next ``save``, :meth:`wait` or :meth:`close` (whichever comes first, once).
 
+        Under an initialised process group the save is collective (every rank calls it with the same step):
+        DTensors are saved as their local shards, and the step is committed only when every rank's part is
+        durable. If any rank fails (an exception in a Stateful, in flatten, in a write) or does not arrive
+        within ``collective_timeout``, every rank raises the same :class:`~ckptstore.commit.CommitError`
+        naming the ranks and their errors (chained to this rank's own error), and nothing is committed.
+
         Raises ``TypeError`` naming the key path of an unsupported value before anything is written;
-        ``OSError`` from the disk (the step then stays invisible).
+        ``OSError`` from the disk (the step then stays invisible); ``CommitError`` as above.
         """
         self._check_open()
         self.wait()                                   # one save in flight; surfaces an earlier failure
