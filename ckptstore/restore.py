@@ -44,7 +44,7 @@ class SpanReader:
     """Verified byte ranges of a saved array: reads the chunks covering ``[lo, hi)`` (whole chunks, since a
     chunk is verified against its id as a whole), keeping the last ``keep`` chunks for the next slab."""
 
-    def __init__(self, blobs, executor: Executor, step: int, keep: int = 4):
+    def __init__(self, blobs, executor: Executor, step: int, keep: int = 2):
         self.blobs, self.executor, self.step, self.keep = blobs, executor, step, keep
         self._cache: "OrderedDict[str, torch.Tensor]" = OrderedDict()
         self._starts: Dict[int, List[int]] = {}
@@ -54,7 +54,11 @@ class SpanReader:
         if hit is not None:
             self._cache.move_to_end(c.blob_id)
             return hit
-        buf = torch.empty(c.nbytes, dtype=torch.uint8)
+        try:
+            buf = torch.empty(c.nbytes, dtype=torch.uint8)
+        except (RuntimeError, MemoryError) as e:
+            raise CorruptCheckpointError(f"cannot allocate the {c.nbytes} bytes a chunk claims ({type(e).__name__})",
+                                         step=self.step, key=key, blob=c.blob_id) from None
         mv = memoryview(buf.numpy()).cast("B")
         if c.pack is not None:
             for f in read_chunks(self.blobs.storage, [ReadItem(c, mv, self.step, key)], executor=self.executor):
@@ -210,9 +214,13 @@ class StepLoader:
         nodes = self._read_nodes(self.blobs, plain, map_location=map_location)     # all verified, none applied
         if sharded:
             reader = SpanReader(self.blobs, self.executor, step)
+            self._futures, self._packed = [], []
             for i, n in sharded:
                 target = leaves.get(n.path[0], {}).get(n.path)
                 nodes[i] = Node(n.path, "tensor", self._fill(n, target, reader))
+            self._futures += read_chunks(self.blobs.storage, self._packed, executor=self.executor,
+                                         gap=self.blobs.storage.coalesce_gap)
+            _wait_all(self._futures)
         try:
             return unflatten(nodes)
         except (ValueError, TypeError, KeyError, IndexError) as e:
@@ -239,8 +247,39 @@ class StepLoader:
             overlaps = index.overlapping(box)
             index.check_covers(box, overlaps, key)
         for shard, region in overlaps:
-            fill(dst, box, shard, region, lambda e, lo, hi: reader.read(e, key, lo, hi))
+            if region == shard.box == box and dst.is_contiguous() and dst.device.type == "cpu" and dst.numel():
+                self._read_whole(dst, shard.entry, key)       # straight into place, chunks in parallel
+            else:
+                fill(dst, box, shard, region, lambda e, lo, hi: reader.read(e, key, lo, hi))
         return target if is_dtensor(target) else dst
+
+    def _read_whole(self, dst: torch.Tensor, entry, key: str) -> None:
+        """Queue the reads of a saved shard that is exactly ``dst``'s box into ``dst``'s own memory, every chunk
+        verified there (no staging copy); all such reads of a step run in parallel, packed ones coalesced."""
+        mv = memoryview(dst.view(-1).view(torch.uint8).numpy()).cast("B")
+        if len(mv) != entry.nbytes:
+            raise CorruptCheckpointError(f"saved shard holds {entry.nbytes} bytes, the target {len(mv)}",
+                                         step=self.commit.step, key=key)
+        off = 0
+        for c in entry.chunks:
+            if c.pack is not None:
+                self._packed.append(ReadItem(c, mv[off: off + c.nbytes], self.commit.step, key))
+            else:
+                self._futures.append(self.executor.submit(self.blobs.read_into, c.blob_id, c.codec,
+                                                          mv[off: off + c.nbytes], step=self.commit.step, key=key))
+            off += c.nbytes
+
+
+def _wait_all(futures) -> None:
+    """Wait for every future; raise the first error (after all finished: no read outlives the call)."""
+    error = None
+    for f in futures:
+        try:
+            f.result()
+        except BaseException as e:
+            error = error or e
+    if error is not None:
+        raise error
 
 
 def _signatures(m: Manifest, wanted: Set[str]) -> Dict[KeyPath, Any]:
