@@ -163,7 +163,8 @@ def main():
         t0 = time.monotonic()
         out = {"rank": rank}
         try:
-            store.save(state, base + 1)
+            store.save(state, base + 1, blocking=bool(args.blocking))
+            store.wait()                     # a non-blocking save's error surfaces here on every rank
             out["result"] = "committed"
         except CheckpointError as e:
             out.update(result="error", type=type(e).__name__, error=str(e),

@@ -81,11 +81,12 @@ def test_each_rank_stores_only_its_shard(saved4):
     assert sum(p.stat().st_size for p in data_files(root)) < 1.3 * state_bytes
 
 
-def test_one_rank_failing_makes_every_rank_raise_and_nothing_commits(tmp_path):
+@pytest.mark.parametrize("blocking", [1, 0])
+def test_one_rank_failing_makes_every_rank_raise_and_nothing_commits(tmp_path, blocking):
     store = str(tmp_path / "store")
     run(3, "--mode", "train", "--store", store, "--steps", "2")
     t0 = time.monotonic()
-    res = run(3, "--mode", "fail", "--store", store, "--bad-rank", "1")
+    res = run(3, "--mode", "fail", "--store", store, "--bad-rank", "1", "--blocking", str(blocking))
     assert time.monotonic() - t0 < 60
     for r, out in res.items():
         assert out["result"] == "error" and out["type"] == "CommitError", out
