@@ -10,6 +10,8 @@ runs at ~6 GB/s per core here, above the disk's 2.6 GB/s; SHA-256 (1.7 GB/s) wou
 """
 from __future__ import annotations
 
+import contextlib
+
 import threading
 from typing import Dict, Optional, Set, Tuple
 
@@ -229,18 +231,11 @@ class BlobStore:
             codec, size = self.stat(blob_id, codec)
         self.check_claim(blob_id, codec, size, nbytes, step=step, key=key, quarantine=quarantine)
         path = blob_path(blob_id, codec)
-        try:
+        with self._read_errors(blob_id, codec, nbytes, quarantine, step, key):
             if codec == "raw":
                 got = self.storage.read_into(path, out)
             else:
                 got = decompress_into(self.storage.read_bytes(path), out)
-        except FileNotFoundError:
-            raise CorruptCheckpointError("blob missing", step=step, key=key, blob=blob_id) from None
-        except OSError as e:
-            raise CorruptCheckpointError(f"blob unreadable ({e.strerror or e})", step=step, key=key,
-                                         blob=blob_id) from None
-        except (ValueError, zstandard.ZstdError) as e:
-            raise self._damaged(f"blob unreadable ({e})", blob_id, codec, nbytes, quarantine, step, key) from None
         if got != nbytes:
             raise self._damaged(f"blob has {got} bytes, expected {nbytes}", blob_id, codec, nbytes, quarantine,
                                 step, key)
@@ -249,13 +244,12 @@ class BlobStore:
                                 step, key)
         self.remember(blob_id, codec)
 
-    def verify(self, blob_id: str, codec: str, nbytes: int, *, step=None, key=None, quarantine: bool = False) -> None:
-        """Read and hash one blob in bounded memory, without keeping it (``ckptstore verify``); raises like
-        :meth:`read_into`. Quarantines nothing unless asked: verifying is a read-only command."""
-        codec, size = self.stat(blob_id, codec)
-        self.check_claim(blob_id, codec, size, nbytes, step=step, key=key, quarantine=quarantine)
+    @contextlib.contextmanager
+    def _read_errors(self, blob_id, codec, nbytes, quarantine, step, key):
+        """Reading a blob: a missing or unreadable file is a CorruptCheckpointError naming it; undecodable
+        bytes are damage (see :meth:`_damaged`)."""
         try:
-            ok, got = stream_check(self.storage, blob_path(blob_id, codec), codec, nbytes=nbytes, blob_id=blob_id)
+            yield
         except FileNotFoundError:
             raise CorruptCheckpointError("blob missing", step=step, key=key, blob=blob_id) from None
         except OSError as e:
@@ -263,6 +257,14 @@ class BlobStore:
                                          blob=blob_id) from None
         except (ValueError, zstandard.ZstdError) as e:
             raise self._damaged(f"blob unreadable ({e})", blob_id, codec, nbytes, quarantine, step, key) from None
+
+    def verify(self, blob_id: str, codec: str, nbytes: int, *, step=None, key=None, quarantine: bool = False) -> None:
+        """Read and hash one blob in bounded memory, without keeping it (``ckptstore verify``); raises like
+        :meth:`read_into`. Quarantines nothing unless asked: verifying is a read-only command."""
+        codec, size = self.stat(blob_id, codec)
+        self.check_claim(blob_id, codec, size, nbytes, step=step, key=key, quarantine=quarantine)
+        with self._read_errors(blob_id, codec, nbytes, quarantine, step, key):
+            ok, got = stream_check(self.storage, blob_path(blob_id, codec), codec, nbytes=nbytes, blob_id=blob_id)
         if not ok:
             msg = (f"blob has {got if got <= nbytes else 'more than ' + str(nbytes)} bytes, expected {nbytes}"
                    if got != nbytes else "blob content does not match its hash")

@@ -64,18 +64,24 @@ def read_nodes(blobs: BlobStore, manifest: Manifest, *, executor: Executor, map_
         node = Node(mnode.path, mnode.kind, (buf, entry))
         nodes.append(node)
     pending += read_chunks(blobs.storage, packed, executor=executor, gap=blobs.storage.coalesce_gap)
+    wait_all(pending)
+    for node in nodes:
+        if node.kind in ARRAY_KINDS:
+            node.value = _materialise(node.kind, *node.value, map_location)
+    return nodes
+
+
+def wait_all(futures) -> None:
+    """Wait for every future, then raise the first error: no read outlives the call (its buffer is the
+    caller's)."""
     error = None
-    for f in pending:
+    for f in futures:
         try:
             f.result()
         except BaseException as e:
             error = error or e
     if error is not None:
         raise error
-    for node in nodes:
-        if node.kind in ARRAY_KINDS:
-            node.value = _materialise(node.kind, *node.value, map_location)
-    return nodes
 
 
 def stored_sizes(blobs: BlobStore, manifest: Manifest, chosen, *, executor: Executor,

@@ -32,6 +32,7 @@ import torch
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError
 from .manifest import ARRAY_KINDS, CONTAINER_KINDS, Commit, Manifest
 from .packs import ReadItem, read_chunks
+from .reader import wait_all
 from .sharding import SavedShard, ShardIndex, fill, is_dtensor, target_box
 from .state import TORCH_DTYPES, KeyPath, Node, path_str, unflatten
 
@@ -220,7 +221,7 @@ class StepLoader:
                 nodes[i] = Node(n.path, "tensor", self._fill(n, target, reader))
             self._futures += read_chunks(self.blobs.storage, self._packed, executor=self.executor,
                                          gap=self.blobs.storage.coalesce_gap)
-            _wait_all(self._futures)
+            wait_all(self._futures)
         try:
             return unflatten(nodes)
         except (ValueError, TypeError, KeyError, IndexError) as e:
@@ -268,18 +269,6 @@ class StepLoader:
                 self._futures.append(self.executor.submit(self.blobs.read_into, c.blob_id, c.codec,
                                                           mv[off: off + c.nbytes], step=self.commit.step, key=key))
             off += c.nbytes
-
-
-def _wait_all(futures) -> None:
-    """Wait for every future; raise the first error (after all finished: no read outlives the call)."""
-    error = None
-    for f in futures:
-        try:
-            f.result()
-        except BaseException as e:
-            error = error or e
-    if error is not None:
-        raise error
 
 
 def _signatures(m: Manifest, wanted: Set[str]) -> Dict[KeyPath, Any]:
