@@ -96,6 +96,8 @@ class _RangeFile:
         buf = bytearray(size)
         got = self.storage.read_range_into(self.path, self.pos, memoryview(buf))
         self.pos += got
+        if got < size:                # the object ended: never ask past its end (object stores answer 416)
+            self.end = self.pos
         return bytes(buf[:got])
 
 
@@ -264,7 +266,8 @@ class BlobStore:
         codec, size = self.stat(blob_id, codec)
         self.check_claim(blob_id, codec, size, nbytes, step=step, key=key, quarantine=quarantine)
         with self._read_errors(blob_id, codec, nbytes, quarantine, step, key):
-            ok, got = stream_check(self.storage, blob_path(blob_id, codec), codec, nbytes=nbytes, blob_id=blob_id)
+            ok, got = stream_check(self.storage, blob_path(blob_id, codec), codec, nbytes=nbytes, blob_id=blob_id,
+                                   stored=size)
         if not ok:
             msg = (f"blob has {got if got <= nbytes else 'more than ' + str(nbytes)} bytes, expected {nbytes}"
                    if got != nbytes else "blob content does not match its hash")
@@ -302,7 +305,11 @@ class BlobStore:
         """Whether the stored blob hashes to its id: True, False, or None when that cannot be told (missing,
         not a regular file, an I/O error, or more than ``RECHECK_LIMIT`` raw bytes)."""
         try:
-            ok, _ = stream_check(self.storage, blob_path(blob_id, codec), codec, nbytes=None, blob_id=blob_id)
+            path = blob_path(blob_id, codec)
+            size = self.storage.size(path)
+            if size is None:
+                return None
+            ok, _ = stream_check(self.storage, path, codec, nbytes=None, blob_id=blob_id, stored=size)
             return ok
         except (ValueError, zstandard.ZstdError):
             return False                                   # an undecodable frame is damaged, whatever claimed
