@@ -9,7 +9,8 @@ Meaning:
 * best: the step whose ``metrics[metric]`` is smallest (``mode="min"``) or largest (``"max"``); steps without
   that metric, or with a value that is not a finite real number, never count; ties go to the newest step.
   The criterion is the one given, else the one the newest commit recorded (``commit.best = {"metric",
-  "mode"}``), else ``loss`` / ``min``.
+  "mode"}``), else ``loss`` / ``min``; a metric given without a mode takes the recorded mode only if it is the
+  recorded metric, else ``min``.
 * retention: a step is kept when any given rule keeps it: one of the ``last`` newest, a multiple of
   ``every``, or one of the ``best`` best by the criterion. The newest step and the best step are always kept.
   No rule given: nothing is dropped.
@@ -32,8 +33,11 @@ def criterion(commits: Iterable[Any], metric: Optional[str] = None,
         if isinstance(rec, Mapping) and isinstance(rec.get("metric"), str):
             recorded = rec
             break
-    metric = metric or (recorded or {}).get("metric") or DEFAULT_METRIC
-    mode = mode or (recorded or {}).get("mode") or DEFAULT_MODE
+    recorded = recorded or {}
+    if metric and metric != recorded.get("metric"):
+        recorded = {}                     # the recorded mode belongs to another metric
+    metric = metric or recorded.get("metric") or DEFAULT_METRIC
+    mode = mode or recorded.get("mode") or DEFAULT_MODE
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     return metric, mode
