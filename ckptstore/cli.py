@@ -120,7 +120,27 @@ class _Group(click.Group):
 @click.version_option(package_name="ckptstore")
 def main(verbose: bool, debug: bool) -> None:
     """Inspect and maintain ckptstore checkpoint stores."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(_LogFormatter(debug))
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, handlers=[handler])
+
+
+class _LogFormatter(logging.Formatter):
+    """Log lines of ckptstore and of the libraries under it (s3fs, gcsfs, botocore): one redacted line each;
+    their tracebacks only with ``--debug``."""
+
+    def __init__(self, debug: bool):
+        super().__init__("%(levelname)s %(name)s: %(message)s")
+        self.debug = debug
+
+    def format(self, record: logging.LogRecord) -> str:
+        if not self.debug and (record.exc_info or record.exc_text or record.stack_info):
+            record = logging.makeLogRecord(record.__dict__)
+            err = record.exc_info[1] if record.exc_info else None
+            record.msg, record.args = f"{record.getMessage()}" + (f" ({type(err).__name__}: {err})" if err else ""), ()
+            record.exc_info = record.exc_text = record.stack_info = None
+        text = redact(super().format(record))
+        return text if self.debug else " ".join(text.split())
 
 
 # -- steps: a number, "latest" or "best" ---------------------------------------------------------------------
