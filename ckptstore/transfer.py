@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import blake3
 import zstandard
@@ -61,11 +61,17 @@ class StepCopier:
 
     ``known_dst``: ``("blob", id)`` / ``("pack", id)`` keys of objects known to exist on ``dst`` (grows as
     they are copied or found), so an object is looked up at most once and never copied twice.
+
+    ``progress``: called as ``progress(done, total)`` (bytes, cumulative for the step being copied) from the
+    copying threads, once before the first object and after each object is copied or found present. A blob
+    weighs its raw length, a pack the end of the last range the step reads from it (its size is not known
+    before it is read); a pass redone after transient errors starts again from 0.
     """
 
     def __init__(self, src, dst, *, workers: int = 8, retry: Optional[RetryPolicy] = None,
-                 mark_src: bool = False):
+                 mark_src: bool = False, progress: Optional[Callable[[int, int], None]] = None):
         self.src, self.dst = src, dst
+        self.progress = progress
         self.mark_src = mark_src         # also register the copy as in flight on src (our own root)
         self._dst_epoch = None
         self.src_catalog, self.dst_catalog = Catalog(src), Catalog(dst)
@@ -272,17 +278,18 @@ class StepCopier:
     def _copy_step(self, step: int, ranks=None, marker: str = "write", others_timeout=None) -> TransferStats:
         t0 = time.perf_counter()
         commit_bytes, commit, manifests = self.read_step(step, ranks)
-        blobs, packs = {}, set()
+        blobs, packs, pack_ends = {}, set(), {}
         for _, _, m in manifests:
             for c in m.chunk_refs():
                 if c.pack is None:
                     blobs[c.blob_id] = c
                 else:
                     packs.add(c.pack)
+                    pack_ends[c.pack] = max(pack_ends.get(c.pack, 0), c.offset + c.stored)
         stats = TransferStats(step=step, blobs_total=len(blobs) + len(packs))
         for _ in range(10):
             self._disturbed = False
-            self._copy_objects(step, blobs, packs, stats)
+            self._copy_objects(step, blobs, packs, stats, pack_ends)
             self.dst.sync({blob_path(b, c.codec).rsplit("/", 1)[0] for b, c in blobs.items()} |
                           {pack_path(p).rsplit("/", 1)[0] for p in packs})
             for rank, data, _ in manifests:
@@ -334,10 +341,26 @@ class StepCopier:
             time.sleep(delay)
             delay = min(2.0, delay * 2)
 
-    def _copy_objects(self, step: int, blobs, packs, stats: TransferStats) -> None:
+    def _copy_objects(self, step: int, blobs, packs, stats: TransferStats,
+                      pack_ends: Optional[Dict[str, int]] = None) -> None:
+        weight = {("pack", p): (pack_ends or {}).get(p, 0) for p in packs}
+        weight.update({("blob", b): c.nbytes for b, c in blobs.items()})
+        done, total = [0], sum(weight.values())
+        if self.progress is not None:
+            self.progress(0, total)
+
+        def counted(fn, key, *args):
+            sent = fn(step, key[1], *args)
+            if self.progress is not None:
+                with self._lock:
+                    done[0] += weight[key]
+                    now = done[0]
+                self.progress(now, total)
+            return sent
         # packs first: they are the large objects, and the pool overlaps them with the many small blobs
-        futures = [self._pool.submit(self._copy_pack, step, p) for p in sorted(packs)]
-        futures += [self._pool.submit(self._copy_blob, step, c.blob_id, c.codec, c.nbytes) for c in blobs.values()]
+        futures = [self._pool.submit(counted, self._copy_pack, ("pack", p)) for p in sorted(packs)]
+        futures += [self._pool.submit(counted, self._copy_blob, ("blob", b), c.codec, c.nbytes)
+                    for b, c in blobs.items()]
         error = None
         for f in futures:
             try:
