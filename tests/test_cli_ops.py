@@ -349,8 +349,6 @@ def test_every_command_on_a_remote_store(tmp_path, request, kind):
 
 @pytest.mark.remote
 @pytest.mark.parametrize("kind", ["s3", "gcs"])
-@pytest.mark.xfail(strict=True, reason="blobs._RangeFile reads past the end of a blob: S3 / GCS answer 416 "
-                                       "(to fix in blobs.py: a short ranged read is the end of the object)")
 def test_verify_a_remote_store_of_blobs(tmp_path, request, kind):
     target = request.getfixturevalue(f"{kind}_bucket_url")
     with Store(tmp_path / "run", remote=target.url, storage_options=target.storage_options, packing=BLOBS) as s:
