@@ -354,7 +354,8 @@ def rank_reshard(cfg: dict, rank: int, world: int) -> dict:
         s.save({"app": app}, 1)
     dcp.save({"app": app}, checkpoint_id=own["dcp"])
     src = cfg["src"]                                     # the fsdp section's checkpoints (world ranks)
-    out: Dict[str, Any] = {"rank": rank, "local_bytes": local_bytes, "samples": {}, "wrong": []}
+    out: Dict[str, Any] = {"rank": rank, "local_bytes": local_bytes, "samples": {}, "wrong": [],
+                           "checked_full_crcs": len(src_crcs or {})}
     cases = [("ckptstore", "same"), ("ckptstore", "reshard"), ("dcp", "same"), ("dcp", "reshard")]
     for rep in range(cfg["repeat"]):
         order = cases if rep % 2 == 0 else cases[::-1]
@@ -374,7 +375,11 @@ def rank_reshard(cfg: dict, rank: int, world: int) -> dict:
                 if kind == "same":
                     ok = C.fingerprint(local_tensors(model, optim)) == ref
                 else:
-                    ok = src_crcs is None or full_crcs(app) == src_crcs
+                    got = full_crcs(app)
+                    ok = src_crcs is None or got == src_crcs
+                    if not ok and src_crcs is not None:
+                        out.setdefault("mismatch", {})[f"{m} {kind}"] = sorted(
+                            k for k in set(got) | set(src_crcs) if got.get(k) != src_crcs.get(k))[:20]
                 if not ok:
                     out["wrong"].append(f"{m} {kind}")
     counters.barrier()
@@ -677,7 +682,9 @@ def main() -> int:
             if "reshard" in sections:
                 t0 = time.perf_counter()
                 rs = launch(args.reshard_to, "reshard", dict(cfg, src=fs[0]["kept"]), args.job_timeout)
-                print(f"reshard: {args.reshard_to} ranks, {time.perf_counter() - t0:.0f} s", flush=True)
+                print(f"reshard: {args.reshard_to} ranks, {time.perf_counter() - t0:.0f} s; verification "
+                      + (f"of {rs[0]['checked_full_crcs']} full tensors (CRC32) against the {args.world}-rank "
+                         "state" if args.verify else "off"), flush=True)
             text, js = report_fsdp(fs, rs, args, args.world, args.reshard_to)
             print("\n" + text)
             print(f"\nseconds = the slowest rank, ranks start after a barrier; median of {args.repeat}. "
