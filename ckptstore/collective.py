@@ -2,8 +2,9 @@
 
 A :class:`Coordinator` gathers one small message per rank to rank 0 and broadcasts rank 0's answer. The save
 uses it once per step (each rank's manifest digest or error -> rank 0 -> the verdict: committed, or who
-failed), resume once per candidate step (each rank's outcome -> the verdict). Two operations per agreement,
-whatever the number of tensors; about 100-200 bytes per rank gathered to rank 0.
+failed), resume once per candidate step (each rank's outcome -> the verdict). A save costs three key-value
+operations per rank whatever the number of tensors (gather, rank 0's compare-and-set decision, broadcast),
+about 150 bytes per rank gathered to rank 0 (measured: 2,336 bytes at 16 ranks; benchmarks/README.md).
 
 :class:`StoreCoordinator` runs them over the key-value store ``torch.distributed`` was initialised with (the
 ``TCPStore`` of ``init_process_group`` / torchrun), through torch's own store-based control collectives
