@@ -680,7 +680,7 @@ class Store:
         if self.keep_local is None:
             return
         with self._maint:
-            pending = set(self._uploader.pending()) if self._uploader is not None else set()
+            pending = set(self._uploader.pending()) - {step} if self._uploader is not None else set()
             local = self.catalog.committed_steps()
             newest = set(local[-self.keep_local:]) if self.keep_local > 0 else set()
             keep = newest | pending | {s for s in local if s > step}
