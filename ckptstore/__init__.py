@@ -11,10 +11,11 @@ from .errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpo
 from .commit import CommitError  # noqa: E402
 from .packs import Packing  # noqa: E402
 from .redact import install_log_filter  # noqa: E402
+from .retention import Retention  # noqa: E402
 from .state import RNGState  # noqa: E402
 from .store import SaveResult, Store  # noqa: E402
 
 install_log_filter()              # no credential in any ckptstore log line
 
-__all__ = ["Store", "Packing", "RNGState", "SaveResult", "CheckpointError", "CorruptCheckpointError",
+__all__ = ["Store", "Packing", "Retention", "RNGState", "SaveResult", "CheckpointError", "CorruptCheckpointError",
            "IncompatibleCheckpointError", "UploadError", "CommitError", "__version__"]

@@ -27,7 +27,8 @@ Commit body (one per step, written last)::
 
     {"step": int, "world_size": int, "created": float (unix seconds), "bytes_total": int,
      "manifests": [[rank, blake3 of the manifest file (32 bytes), size in bytes(, generation)], ...],
-     "metrics": {str: plain value}, "config": {str: plain value} | nil, "writer": "ckptstore <version>"}
+     "metrics": {str: plain value}, "config": {str: plain value} | nil, "writer": "ckptstore <version>",
+     "run_id": str (optional), "best": {"metric": str, "mode": "min"|"max"} (optional)}
 """
 from __future__ import annotations
 
@@ -144,6 +145,8 @@ class Commit:
     metrics: Dict[str, Any] = field(default_factory=dict)
     config: Optional[Dict[str, Any]] = None
     writer: str = ""
+    run_id: str = ""                              # the run's stable id ("" in markers written before it)
+    best: Optional[Dict[str, str]] = None         # {"metric": str, "mode": "min"|"max"}: the best criterion
 
 
 # -- framing ------------------------------------------------------------------------------------------------
@@ -438,7 +441,9 @@ def encode_commit(c: Commit) -> bytes:
     return frame("commit", {"step": c.step, "world_size": c.world_size, "created": c.created,
                             "bytes_total": c.bytes_total,
                             "manifests": [[r, d, s] + ([g] if g else []) for r, (d, s, g) in sorted(c.manifests.items())],
-                            "metrics": c.metrics, "config": c.config, "writer": c.writer})
+                            "metrics": c.metrics, "config": c.config, "writer": c.writer,
+                            **({"run_id": c.run_id} if c.run_id else {}),
+                            **({"best": dict(c.best)} if c.best else {})})
 
 
 def decode_commit(data: bytes, *, step: int, what: str) -> Commit:
@@ -468,13 +473,22 @@ def decode_commit(data: bytes, *, step: int, what: str) -> Commit:
             raise ValueError(f"bad creation time {created!r:.40}")
         if not isinstance(body.get("writer", ""), str):
             raise ValueError("bad writer")
+        run_id = body.get("run_id", "")
+        if not isinstance(run_id, str) or not _RUN_ID_RE.match(run_id):
+            raise ValueError(f"bad run id {run_id!r:.80}")
+        best = body.get("best")
+        if best is not None:
+            if (not isinstance(best, dict) or set(best) != {"metric", "mode"} or not isinstance(best["metric"], str)
+                    or not 0 < len(best["metric"]) <= 256 or best["mode"] not in ("min", "max")):
+                raise ValueError(f"bad best criterion {best!r:.80}")
         return Commit(step=check_step(step), world_size=world_size, manifests=manifests, created=float(created),
                       bytes_total=_int(body.get("bytes_total", 0), "bytes_total"), metrics=metrics,
-                      config=config, writer=str(body.get("writer", "")))
+                      config=config, writer=str(body.get("writer", "")), run_id=run_id, best=best)
     except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError) as e:
         raise CorruptCheckpointError(f"invalid commit marker: {e}", step=step, blob=what) from None
 
 
+_RUN_ID_RE = re.compile(r"^[0-9A-Za-z_.-]{0,128}$")     # uuid4 hex as written; "" for older markers
 MIN_CREATED, MAX_CREATED = 0.0, 253402300799.0      # 1970-01-01 .. 9999-12-31 UTC: datetime can print it
 
 

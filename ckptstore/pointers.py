@@ -64,3 +64,29 @@ def advance_latest(storage, step: int, attempts: int = 20) -> bool:
 
 def clear_latest(storage) -> None:
     storage.delete(LATEST)
+
+
+def rewind_latest(storage, to: Optional[int], is_committed, attempts: int = 20) -> bool:
+    """Move the latest pointer *back* to ``to`` (``None``: remove it), the one exception to "forward only",
+    used when a run truncates its later steps (``Store(on_rewind="truncate")``).
+
+    The rule (FORMAT.md, "Rewinding a run"): the pointer may move back only once the step it names is no longer
+    committed (its commit marker, deleted first, is gone), and only to a committed step (or nowhere). The
+    write is conditional on the version read (compare-and-swap), so a concurrent forward move wins and this
+    returns False. ``is_committed(step) -> bool`` checks the storage's commit markers. Returns True when the
+    pointer now names ``to`` (or is gone for ``None``)."""
+    for _ in range(attempts):
+        current, token = storage.read_versioned(LATEST)
+        cur = decode_pointer(current) if current is not None else None
+        if current is None:
+            return to is None
+        if cur == to:
+            return True
+        if cur is not None and (cur < (to if to is not None else -1) or is_committed(cur)):
+            return False                    # it names a newer live step (or an older one): not ours to move
+        if to is None:
+            storage.delete(LATEST)          # no conditional delete; a remote root has one writer (its lease)
+            return True
+        if storage.write_if_match(LATEST, encode_pointer(to), token):
+            return True
+    raise RuntimeError(f"latest pointer of {storage.url}: gave up after {attempts} conflicting writers")

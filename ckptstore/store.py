@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor, wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, MutableMapping, Optional
@@ -32,7 +33,8 @@ from .pointers import read_latest, write_latest, clear_latest
 from .reader import MapLocation, read_nodes, stored_sizes
 from .restore import StepLoader
 from .resolve import candidates, split_load_path
-from .retention import RetentionPolicy
+from . import retention as _retention
+from .retention import Retention, from_shorthand
 from .retry import RetryPolicy
 from .runconfig import differences, normalize
 from .snapshot import ArraySpec, StagingPool, VersionCache, direct_view, spec_of
@@ -40,13 +42,14 @@ from .state import Node, flatten, is_stateful, path_str, unflatten
 from .storage import Storage, is_local, open_storage
 from .threads import background_pool
 from .transfer import StepCopier
-from .upload import Uploader
+from .upload import Uploader, apply_remote_retention
 from .writer import write_arrays
 
 log = logging.getLogger("ckptstore")
 
 DEFAULT_CHUNK_SIZE = 64 << 20
 RETENTION_WAIT = 5.0      # seconds retention's sweep waits for other ranks' saves in flight before deferring
+ON_REWIND = ("error", "truncate")
 
 
 class SaveHandle:
@@ -145,8 +148,22 @@ class Store:
         track_versions: skip copying and hashing tensors whose autograd version counter and storage are
             unchanged since the last save (see :mod:`ckptstore.snapshot`); turn off if training writes tensor
             memory behind torch's back (numpy views, ctypes).
-        keep_last, keep_every: retention (see :class:`RetentionPolicy`); applied after every save by rank 0,
-            followed by garbage collection of the blobs no kept step references.
+        keep: a :class:`~ckptstore.retention.Retention` (``Retention(last=N, every=K, best=M, metric="loss",
+            mode="min")``): the union of the newest N committed steps, every K-th step and the M best by
+            ``metrics[metric]``. Never deleted whatever the policy: the newest committed step, the best step
+            (:meth:`best_step`), a step whose upload is pending, the step being saved. Applied after every
+            commit (rank 0, and the leader of each other root), followed by a sweep of the blobs and packs no
+            kept step references; with ``remote``, applied to the remote too by the uploader after each upload
+            (the remote keeps the policy's result; ``keep_local`` may keep fewer locally). The best criterion
+            is recorded in every commit marker, so readers find "best" without the policy
+            (:func:`ckptstore.retention.best_step`).
+        keep_last, keep_every: shorthand for ``keep=Retention(last=keep_last, every=keep_every)``
+            (``keep_every`` alone keeps everything); not together with ``keep``.
+        on_rewind: what ``save`` does with a step lower than or equal to the newest committed one (locally, or
+            on the remote this store uploads to): ``"error"`` (default) raises ``IncompatibleCheckpointError``
+            naming both steps; ``"truncate"`` first drops the later steps (locally and on the remote; the
+            latest pointers move back, see FORMAT.md "Rewinding a run") and re-saves the step as a new manifest
+            generation if it was committed: a run rolled back after a loss spike continues on a clean timeline.
         direct_io: use O_DIRECT for large aligned writes where the filesystem supports it.
         storage_options: fsspec options (endpoint, credentials, ...) for ``remote``, ``load_path`` and a
             ``root`` given as a URL. Credentials are never written to manifests, logs or error messages.
@@ -159,7 +176,8 @@ class Store:
         load_components: take only these top-level keys from ``load_path`` (e.g. ``("model",)`` for
             weights-only fine-tuning); the other entries of ``state`` keep their fresh values.
         keep_local: keep at most this many committed steps on local disk once they are uploaded (the
-            newest ones; a step not yet uploaded is never removed by this rule).
+            newest ones; a step not yet uploaded is never removed by this rule). ``0``: no local copy of an
+            uploaded step is kept; ``resume`` then pulls from the remote.
         upload_workers: parallel blob uploads. upload_retry: a :class:`~ckptstore.retry.RetryPolicy`
             (deadline and per-attempt timeout in seconds). upload_backlog: steps allowed to wait for upload.
         upload: ``False`` to use ``remote`` only to read from (resume, :meth:`pull`), never to write to it.
@@ -175,7 +193,8 @@ class Store:
                  load_components: Optional[Iterable[str]] = None, keep_local: Optional[int] = None,
                  upload_workers: int = 8, upload_retry: Optional[RetryPolicy] = None, upload_backlog: int = 8,
                  upload: bool = True, packing: Optional[Packing] = None,
-                 commit_timeout: Optional[float] = None):
+                 commit_timeout: Optional[float] = None, keep: Optional[Retention] = None,
+                 on_rewind: str = "error"):
         if codec not in CODECS:
             raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
         if not isinstance(chunk_size, int) or chunk_size < 4096:
@@ -195,7 +214,19 @@ class Store:
             raise TypeError(f"packing must be a ckptstore.Packing, got {type(packing).__name__}")
         self._index = ChunkIndex(self.storage, self.blobs)
         self._pack_buffers = PackBuffers()
-        self.retention = RetentionPolicy(keep_last, keep_every)
+        if keep is not None and (keep_last is not None or keep_every is not None):
+            raise ValueError("pass keep=Retention(...) or keep_last / keep_every, not both")
+        if keep is not None and not isinstance(keep, Retention):
+            raise TypeError(f"keep must be a ckptstore.Retention, got {type(keep).__name__}")
+        #: the retention policy (None: keep every step); keep_last / keep_every are mapped onto it
+        self.keep: Optional[Retention] = keep if keep is not None else from_shorthand(keep_last, keep_every)
+        self.retention = self.keep
+        if on_rewind not in ON_REWIND:
+            raise ValueError(f"on_rewind must be one of {ON_REWIND}, got {on_rewind!r}")
+        self.on_rewind = on_rewind
+        self._run_id: Optional[str] = None          # see run_id
+        self._metrics_cache: Dict[int, Mapping[str, Any]] = {}          # local step -> metrics (retention)
+        self._remote_metrics_cache: Dict[int, Mapping[str, Any]] = {}   # remote step -> metrics (uploader)
         self.collective_timeout = float(commit_timeout if commit_timeout is not None else collective_timeout)
         if not self.collective_timeout > 0:
             raise ValueError(f"collective_timeout must be > 0 seconds, got {collective_timeout!r}")
@@ -219,8 +250,9 @@ class Store:
         self.storage_options = dict(storage_options or {})
         self.load_path = load_path
         self.load_components = tuple(load_components) if load_components is not None else None
-        if keep_local is not None and (not isinstance(keep_local, int) or keep_local < 1):
-            raise ValueError(f"keep_local must be a positive int or None, got {keep_local!r}")
+        if keep_local is not None and (isinstance(keep_local, bool) or not isinstance(keep_local, int)
+                                       or keep_local < 0):
+            raise ValueError(f"keep_local must be an int >= 0 or None, got {keep_local!r}")
         self.keep_local = keep_local
         #: where the last resume() came from: {"tier": "local"|"remote"|"load_path", "step": int, "url": str}
         self.resumed_from: Optional[Dict[str, Any]] = None
@@ -260,7 +292,10 @@ class Store:
 
         ``state`` maps names to Stateful objects, tensors, numpy arrays, and nested dict/list/tuple of those and
         of int, float, bool, str, bytes, None. ``metrics``: plain values recorded in the commit marker.
-        Saving a step that is already committed replaces it (with a warning).
+        ``step`` must be newer than every committed step of the run (local, and the remote this store uploads
+        to): else ``IncompatibleCheckpointError`` naming both steps, unless ``Store(on_rewind="truncate")``,
+        which first drops the later steps and then saves (re-saving a committed step writes a new manifest
+        generation; the old one stays intact until the new commit marker replaces it).
 
         ``blocking=True`` (default): returns a :class:`SaveResult` once the step is committed and durable on
         local disk. ``blocking=False``: returns a :class:`SaveHandle` as soon as every changed tensor is copied
@@ -289,6 +324,7 @@ class Store:
         op = None
         try:
             op = self._begin_write(step)               # before the index: see ckptstore.lease
+            self._check_rewind(step)                   # holds the writer lease: may truncate the later steps
             self._index.prepare(self.catalog, self.rank)   # before the snapshot: it decides what is unchanged
             gc_was_enabled = gc.isenabled()
             gc.disable()          # the snapshot is short and allocation-heavy: no heap-wide GC pass mid-stall
@@ -358,6 +394,56 @@ class Store:
             self._index.clear()
             self._epoch = epoch
         return op
+
+    def _newest_committed(self) -> Optional[int]:
+        """The newest committed step of this run: local, or on the remote this store uploads to (as far as the
+        uploader knows it: with ``keep_local`` the local root may hold fewer)."""
+        local = self.catalog.committed_steps()
+        newest = local[-1] if local else None
+        remote = self._uploader.remote_newest if self._uploader is not None else None
+        if remote is not None and (newest is None or remote > newest):
+            newest = remote
+        return newest
+
+    def _check_rewind(self, step: int) -> None:
+        """``save`` of a step not newer than the newest committed one: raise (``on_rewind="error"``) or drop
+        the later steps first (``"truncate"``). Under torch.distributed each rank checks its own root (and rank
+        0 the remote); a refusal reaches every rank as ``CommitError`` naming it."""
+        newest = self._newest_committed()
+        if newest is None or step > newest:
+            return
+        if self.on_rewind == "error":
+            what = "re-saving" if step == newest else "rewinding to"
+            err = IncompatibleCheckpointError(
+                f"{what} step {step}: the newest committed step is {newest}; a save must be newer. Pass "
+                f"Store(..., on_rewind=\"truncate\") to drop the steps after {step} and continue from it")
+            err.step, err.latest = step, newest
+            raise err
+        self._truncate_after(step)
+
+    def _truncate_after(self, step: int) -> None:
+        """Drop every committed step newer than ``step``: the uploader is held still (waiting steps newer than
+        ``step`` are dropped), then the local steps go newest first (latest pointer moved away first), then the
+        remote's (rank 0; its pointer moved back by compare-and-swap, see FORMAT.md "Rewinding a run")."""
+        uploader = self._uploader
+        with (uploader.paused(drop_after=step) if uploader is not None else _null()):
+            with self._maint:
+                dropped = sorted((s for s in self.catalog.committed_steps() if s > step), reverse=True)
+                for s in dropped:
+                    self._point_away_from(s)
+                    self.catalog.delete_step(s)
+                    self._metrics_cache.pop(s, None)
+                if dropped:
+                    log.warning("on_rewind=truncate: dropped local steps %s of %s to save step %d",
+                                sorted(dropped), self.root, step)
+            if uploader is not None:
+                gone = uploader.truncate_remote(step)
+                for s in gone:
+                    self._remote_metrics_cache.pop(s, None)
+                if gone:
+                    log.warning("on_rewind=truncate: dropped remote steps %s of %s", gone, self.remote_storage.url)
+        self._metrics_cache.pop(step, None)
+        self._remote_metrics_cache.pop(step, None)
 
     def _end_write(self, op: Optional[WriterOp]) -> None:
         if op is not None:
@@ -540,7 +626,59 @@ class Store:
     def _new_commit(self, step, manifests, bytes_total, metrics) -> Commit:
         return Commit(step=step, world_size=self.world_size, manifests=manifests, created=time.time(),
                       bytes_total=bytes_total, metrics=dict(metrics), config=self.config,
-                      writer=f"ckptstore {__version__}")
+                      writer=f"ckptstore {__version__}", run_id=self.run_id,
+                      best=self.keep.criterion if self.keep is not None else None)
+
+    # -- run identity and the best step -------------------------------------------------------------------
+    @property
+    def run_id(self) -> str:
+        """The run's stable id (uuid4 hex): created with the run's first commit, recorded in every commit
+        marker, and the same after any resume (local or remote), so ``wandb.init(id=store.run_id,
+        resume="allow")`` continues the same run after a restart. Before the first commit it is the id that
+        commit will carry. Read from the newest local committed step when this process has neither resumed
+        nor saved yet; ``resume`` adopts the resumed step's id (local or remote), on every rank."""
+        if self._run_id is None:
+            self._run_id = self._recorded_run_id() or uuid.uuid4().hex
+        return self._run_id
+
+    def _recorded_run_id(self) -> Optional[str]:
+        """The id in the newest readable local commit marker (never the remote's: this runs in the commit path,
+        and a stalled server must not stall a save; a remote-only run adopts its id in ``resume``)."""
+        for s in reversed(self.catalog.committed_steps()):
+            try:
+                rid = self.catalog.read_commit(s).run_id
+            except CheckpointError:
+                continue
+            return rid or None                  # a marker written before run ids: a new id from now on
+        return None
+
+    def best_step(self) -> Optional[int]:
+        """The best committed step of the run, derived from the commit markers (so it survives restarts): by
+        ``keep``'s metric / mode when set, else by the criterion the newest commit marker records; local steps
+        and, with ``remote``, the remote's (``keep_local`` may hold fewer locally). ``None``: no criterion,
+        or no step has the metric."""
+        self._check_open()
+        metric, mode = (self.keep.metric, self.keep.mode) if self.keep is not None and self.keep.metric else \
+            (None, None)
+        commits = {}
+        for s in self.catalog.committed_steps():
+            try:
+                commits[s] = self.catalog.read_commit(s)
+            except CheckpointError:
+                continue
+        if self.remote_storage is not None:
+            remote = Catalog(self.remote_storage)
+            try:
+                for s in remote.committed_steps():
+                    if s not in commits:
+                        try:
+                            commits[s] = remote.read_commit(s)
+                        except CheckpointError:
+                            continue
+            except Exception as e:
+                log.warning("best_step: remote %s unreachable (%s: %s): local steps only", self.remote_storage.url,
+                            type(e).__name__, e)
+        return _retention.best_step(commits.values(), metric=metric, mode=mode)
 
     def _apply_retention(self, step: int, since: float) -> None:
         """After a commit (rank 0): delete the steps retention drops, then sweep under the gc lease (waiting a
@@ -549,9 +687,9 @@ class Store:
         is not committed)."""
         try:
             protected = set(self._uploader.pending()) if self._uploader is not None else set()
-            doomed = [s for s in self.retention.to_delete(self.catalog.committed_steps()) if s not in protected]
-            for s in doomed:
-                self.catalog.delete_step(s)
+            protected.add(step)
+            doomed = _retention.apply(self.catalog, self.keep, protected, cache=self._metrics_cache,
+                                      before_delete=self._point_away_from)
             stale = [s for s in self.catalog.step_dirs() if s < step and not self.catalog.is_committed(s)]
             if doomed or (stale and self.world_size == 1):
                 # Blobs written before this save began and no longer referenced can go: no save is in flight
@@ -568,19 +706,37 @@ class Store:
                       "%s: %s", step, type(e).__name__, e)
 
     def _after_upload(self, step: int) -> None:
-        """Uploader callback: apply ``keep_local`` (local steps older than the newest uploaded one may go)."""
+        """Uploader callback: apply retention to the remote (its own copy of the policy's result), then
+        ``keep_local`` (local steps older than the newest uploaded one may go)."""
+        self._apply_remote_retention(step)
         if self.keep_local is None:
             return
         with self._maint:
-            pending = set(self._uploader.pending()) if self._uploader is not None else set()
+            pending = set(self._uploader.pending()) - {step} if self._uploader is not None else set()
             local = self.catalog.committed_steps()
-            keep = set(local[-self.keep_local:]) | pending | {s for s in local if s > step}
+            newest = set(local[-self.keep_local:]) if self.keep_local > 0 else set()
+            keep = newest | pending | {s for s in local if s > step}
             doomed = [s for s in local if s not in keep]
             for s in doomed:
+                self._point_away_from(s)
                 self.catalog.delete_step(s)
+                self._metrics_cache.pop(s, None)
             if doomed:
                 collect(self.storage, self.catalog, self.blobs, grace_seconds=0.0, index=self._index, wait=0.0)
                 log.info("keep_local=%d: removed local steps %s (uploaded)", self.keep_local, doomed)
+
+    def _apply_remote_retention(self, step: int) -> None:
+        """On the uploader's thread, after ``step`` is uploaded: delete the remote steps the policy drops, then
+        gc the remote under its gc lease (see :func:`ckptstore.upload.apply_remote_retention`). Logged, never
+        raised: the step is uploaded."""
+        if self.keep is None or not self.keep.deletes or self._uploader is None:
+            return
+        try:
+            apply_remote_retention(self.remote_storage, self.keep, {step}, cache=self._remote_metrics_cache,
+                                   wait=RETENTION_WAIT, call=self._uploader.copier.call)
+        except Exception as e:
+            log.error("step %d is uploaded, but retention on %s failed (retried after the next upload): %s: %s",
+                      step, self.remote_storage.url, type(e).__name__, e)
 
     def wait_for_uploads(self, timeout: Optional[float] = None) -> None:
         """Block until every committed step is on the remote (including a non-blocking save in flight).
@@ -739,7 +895,6 @@ class Store:
         try:
             self._restore(state, self.catalog, self.blobs, step, strict=strict, check_config=True,
                           rank_local=rank_local)
-            return tier
         except CorruptCheckpointError as e:
             if remote_catalog is None or step in pulled or not _quiet(lambda: remote_catalog.is_committed(step)):
                 raise
@@ -747,7 +902,18 @@ class Store:
             self._pull(step)
             self._restore(state, self.catalog, self.blobs, step, strict=strict, check_config=True,
                           rank_local=rank_local)
-            return "remote"
+            tier = "remote"
+        self._adopt_run_id(step)
+        return tier
+
+    def _adopt_run_id(self, step: int) -> None:
+        """After resuming ``step``: this run's id is the one its commit marker records (every rank reads it)."""
+        try:
+            rid = self.catalog.read_commit(step).run_id
+        except CheckpointError:
+            return
+        if rid:
+            self._run_id = rid
 
     def _own_part(self, catalog, step) -> Optional[List[int]]:
         """The ranks whose parts this rank needs from ``catalog``'s ``step``: its own when the world size is
@@ -965,6 +1131,7 @@ class Store:
         check_step(step)
         self._point_away_from(step)
         self.catalog.delete_step(step)
+        self._metrics_cache.pop(step, None)
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -1033,6 +1200,14 @@ def _verify_packed_stream(storage, c, step, key) -> None:
     if not ok:
         raise CorruptCheckpointError(f"chunk content does not match its hash (pack {c.pack})", step=step,
                                      key=key, blob=c.blob_id)
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
 
 
 def _quiet(fn) -> bool:

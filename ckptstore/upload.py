@@ -18,15 +18,19 @@ derived again and uploading resumes.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from typing import Callable, List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
+from . import retention
+from .blobs import BlobStore
 from .catalog import Catalog
 from .errors import UploadError
+from .gc import GCReport, collect
 from .lease import acquire_writer
-from .pointers import advance_latest
+from .pointers import advance_latest, rewind_latest
 from .retry import RetryPolicy
 from .threads import lower_priority
 from .transfer import StepCopier, TransferStats
@@ -57,6 +61,10 @@ class Uploader:
         self._cond = threading.Condition()
         self._closing = False
         self._lease = None                           # the remote's writer lease (see ckptstore.lease)
+        self._paused = 0                             # > 0: start no new upload (a truncation is under way)
+        self._deriving = False
+        #: newest committed step on the remote as far as this uploader knows (None: none, or not derived yet)
+        self.remote_newest: Optional[int] = None
         self._thread = threading.Thread(target=self._run, name="ckptstore-upload", daemon=True)
         self._thread.start()
 
@@ -98,6 +106,31 @@ class Uploader:
                 self._cond.wait(left if left is not None else 1.0)
         self.raise_if_failed()
 
+    @contextlib.contextmanager
+    def paused(self, drop_after: Optional[int] = None):
+        """Hold the uploader still: drop waiting steps newer than ``drop_after``, wait for the step being
+        uploaded (and its ``on_uploaded`` callback) to finish, and start nothing new until the block exits.
+        Used to rewind a run (``Store(on_rewind="truncate")``): the remote is then changed by the caller alone."""
+        with self._cond:
+            self._paused += 1
+            if drop_after is not None:
+                self._queue = [s for s in self._queue if s <= drop_after]
+            while self._current is not None or self._deriving:
+                self._cond.wait()
+        try:
+            yield self
+        finally:
+            with self._cond:
+                self._paused -= 1
+                self._cond.notify_all()
+
+    def truncate_remote(self, after: int) -> List[int]:
+        """Delete the remote's committed steps newer than ``after`` and move its latest pointer back (see
+        :func:`truncate_steps`), each request under the retry policy. Call inside :meth:`paused`."""
+        dropped, newest = truncate_steps(self.remote, after, call=self.copier.call)
+        self.remote_newest = newest
+        return dropped
+
     def close(self, timeout: Optional[float] = None) -> None:
         try:
             self.wait(timeout)
@@ -119,6 +152,7 @@ class Uploader:
             # upload parts only, under rank 0's lease)
             self._lease = acquire_writer(self.remote, job=self.local.url)
         newest_remote = remote_steps[-1] if remote_steps else None
+        self.remote_newest = newest_remote
         if newest_remote is not None:
             self.copier.remember_dst_step(newest_remote)
         local_steps = Catalog(self.local).committed_steps()
@@ -137,16 +171,22 @@ class Uploader:
         lower_priority()
         while True:
             with self._cond:
-                while not self._closing and (self._error is not None or (self._derived and not self._queue)):
+                while not self._closing and (self._error is not None or self._paused
+                                             or (self._derived and not self._queue)):
                     self._cond.wait()
                 if self._closing:
                     return
                 need_derive = not self._derived
+                self._deriving = need_derive
             if need_derive:
                 try:
                     self._derive()
                 except BaseException as e:
                     self._fail(e)
+                finally:
+                    with self._cond:
+                        self._deriving = False
+                        self._cond.notify_all()
                 continue
             with self._cond:
                 if not self._queue:
@@ -165,6 +205,7 @@ class Uploader:
                         self.copier.call(lambda: advance_latest(self.remote, step),
                                          f"advance remote latest to {step}")
                     self.uploaded.append(stats)
+                    self.remote_newest = max(step, self.remote_newest if self.remote_newest is not None else step)
                     log.info("uploaded step %d: %d/%d blobs, %d bytes in %.2f s", step, stats.blobs_copied,
                              stats.blobs_total, stats.bytes_copied, stats.seconds)
                     if self.on_uploaded is not None:
@@ -189,3 +230,47 @@ class Uploader:
                 self._queue.insert(0, step)
             self._current = None
             self._cond.notify_all()
+
+
+# -- the remote side of retention and of a rewind ----------------------------------------------------------------
+def _direct(fn, what):
+    return fn()
+
+
+def truncate_steps(storage, after: int, call=_direct) -> Tuple[List[int], Optional[int]]:
+    """Delete every committed step of ``storage`` newer than ``after``, newest first (each: commit marker first,
+    then its files), then move the latest pointer back to the newest remaining committed step (or remove it):
+    :func:`ckptstore.pointers.rewind_latest`, the one backwards move FORMAT.md allows. A crash part way leaves
+    a prefix of the old timeline (never a gap), and the next truncation finishes the work. Returns
+    ``(dropped steps, newest remaining committed step or None)``."""
+    catalog = Catalog(storage)
+    steps = call(catalog.committed_steps, f"list steps of {storage.url}")
+    dropped = sorted((s for s in steps if s > after), reverse=True)
+    for s in dropped:
+        call(lambda s=s: catalog.delete_step(s), f"delete step {s} of {storage.url}")
+    remaining = [s for s in steps if s <= after]
+    newest = remaining[-1] if remaining else None
+    call(lambda: rewind_latest(storage, newest, catalog.is_committed), f"rewind latest of {storage.url}")
+    if dropped:
+        log.info("%s: dropped steps %s (rewound to step %s)", storage.url, sorted(dropped), after)
+    return sorted(dropped), newest
+
+
+def apply_remote_retention(remote, policy, protected=(), *, cache: Optional[Dict[int, Mapping[str, Any]]] = None,
+                           grace_seconds: float = 0.0, wait: float = 5.0, call=_direct
+                           ) -> Tuple[List[int], Optional[GCReport]]:
+    """The remote's copy of the retention policy's result, applied by the uploader after it uploaded a step:
+    delete the remote steps ``policy`` drops (:func:`ckptstore.retention.apply`: commit marker first, then the
+    step's files; never the remote's newest or best step, nor ``protected``), then, if any went, collect the
+    remote's unreferenced blobs and packs under its gc lease (FORMAT.md "Writers and deleters": waits up to
+    ``wait`` seconds for copies in flight, else defers to a later upload or ``ckptstore gc``). Returns the
+    deleted steps and the gc report (``None`` when nothing was deleted)."""
+    catalog = Catalog(remote)
+    doomed = call(lambda: retention.apply(catalog, policy, protected, cache=cache),
+                  f"apply retention to {remote.url}")
+    if not doomed:
+        return doomed, None
+    log.info("retention on %s: removed steps %s", remote.url, doomed)
+    report = call(lambda: collect(remote, catalog, BlobStore(remote, quarantine=False),
+                                  grace_seconds=grace_seconds, wait=wait), f"gc of {remote.url}")
+    return doomed, report

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from ckptstore import Store
+from ckptstore import IncompatibleCheckpointError, Store
 from helpers import chunks_of_key, data_files, flip_byte, step_dir
 
 
@@ -28,10 +28,15 @@ def test_uncommitted_step_is_invisible_and_cleaned(tmp_path):
 
 def test_latest_pointer_names_newest_committed(tmp_path):
     with Store(tmp_path) as s:
-        for step in (5, 10, 7):
+        for step in (5, 7, 10):
             s.save({"v": step}, step)
+        with pytest.raises(IncompatibleCheckpointError, match="step 8.*newest committed step is 10"):
+            s.save({"v": 8}, 8)                               # a rewind is refused by default
+        with pytest.raises(IncompatibleCheckpointError, match="step 10"):
+            s.save({"v": "again"}, 10)                        # so is re-saving the newest step
         assert json.loads((tmp_path / "latest").read_text())["step"] == 10
         assert s.latest_step() == 10 and s.steps() == [5, 7, 10]
+    with Store(tmp_path, on_rewind="truncate") as s:
         s.save({"v": "again"}, 10)                            # replacing a committed step
         assert s.load(10) == {"v": "again"}
         assert json.loads((tmp_path / "latest").read_text())["step"] == 10

@@ -1,0 +1,377 @@
+"""Operations: retention (last / every / best, local and remote, across restarts), keep_local=0, rewinding a
+run (error or truncate), the run id, and retention beside a writer."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptstore import IncompatibleCheckpointError, Packing, Retention, Store
+from ckptstore.blobs import BlobStore
+from ckptstore.catalog import Catalog
+from ckptstore.gc import collect
+from ckptstore.layout import LATEST
+from ckptstore.manifest import Commit, decode_commit, encode_commit
+from ckptstore.pointers import decode_pointer
+from ckptstore import retention
+from ckptstore.retention import AnyOf, BestN, EveryNSteps, LatestN, StepInfo, best_step
+from ckptstore.storage import open_storage
+from ckptstore.transfer import StepCopier
+from helpers import data_files
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = Packing(threshold=1 << 16, target_size=1 << 20)
+
+
+def loss(step):
+    """Step 3 is the best (lowest loss); later steps are worse than it."""
+    return {1: 9.0, 2: 8.0, 3: 0.5}.get(step, 5.0 + 0.1 * step)
+
+
+def state_at(step, frozen=None):
+    g = torch.Generator().manual_seed(step)
+    s = {"w": torch.randn(20_000, generator=g), "small": torch.randn(100, generator=g), "step": step}
+    if frozen is not None:
+        s["frozen"] = frozen
+    return s
+
+
+def remote_kw(target, **kw):
+    return dict(remote=target.url, storage_options=target.storage_options, **kw)
+
+
+def remote_store(target):
+    return Store(target.url, storage_options=target.storage_options, create=False)
+
+
+def remote_pointer(target):
+    return decode_pointer(open_storage(target.url, target.storage_options).read_bytes(LATEST))
+
+
+POLICY = dict(last=2, every=5, best=1, metric="loss", mode="min")
+
+# A separate process that saves steps [first, last] with loss(step) metrics, prints its run id, and then dies
+# by SIGKILL (no close(), no cleanup) or closes normally.
+SAVER = textwrap.dedent("""
+    import json, os, signal, sys
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    from ckptstore import Retention, Store
+    sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+    from test_operations import loss, state_at, SMALL
+    root, remote, opts, first, last, keep, how = sys.argv[2:9]
+    kw = dict(keep=Retention(**json.loads(keep)) if keep != "null" else None, packing=SMALL)
+    if remote:
+        kw.update(remote=remote, storage_options=json.loads(opts), keep_local=json.loads(how.split(":")[1] or "null")
+                  if ":" in how else None)
+    s = Store(root, **kw)
+    state = {"w": None, "small": None, "step": None}
+    print("resumed", s.resume(state), flush=True)
+    for step in range(int(first), int(last) + 1):
+        s.save(state_at(step), step, metrics={"loss": loss(step)})
+    if remote:
+        s.wait_for_uploads(timeout=120)
+    print("run_id", s.run_id, flush=True)
+    if how.startswith("kill"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    s.close()
+""")
+
+
+def run_saver(root, first, last, keep=POLICY, target=None, how="kill"):
+    args = [sys.executable, "-c", SAVER, str(REPO), str(root), target.url if target else "",
+            json.dumps(target.storage_options if target else {}), str(first), str(last), json.dumps(keep), how]
+    p = subprocess.run(args, capture_output=True, text=True, timeout=240,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+    if how.startswith("kill"):
+        assert p.returncode == -9, p.stdout + p.stderr
+    else:
+        assert p.returncode == 0, p.stdout + p.stderr
+    lines = dict(line.split(" ", 1) for line in p.stdout.splitlines() if " " in line)
+    return lines["run_id"].strip()
+
+
+# -- the pure policies ------------------------------------------------------------------------------------------
+def test_policies_are_pure_and_compose():
+    infos = [StepInfo(s, {"loss": loss(s)} if s != 4 else {}) for s in range(1, 13)]
+    assert LatestN(2).keep(infos) == {11, 12}
+    assert EveryNSteps(5).keep(infos) == {5, 10}
+    assert BestN(2, "loss", "min").keep(infos) == {3, 5}          # step 4 has no loss: never best
+    assert BestN(1, "loss", "max").keep(infos) == {1}
+    assert AnyOf((LatestN(2), EveryNSteps(5))).keep(infos) == {5, 10, 11, 12}
+    r = Retention(**POLICY)
+    assert r.to_delete(infos) == [1, 2, 4, 6, 7, 8, 9]
+    assert r.to_delete(infos, protected={7}) == [1, 2, 4, 6, 8, 9]
+    # the newest and the best step are kept whatever the policy says
+    assert Retention(every=100, metric="loss").keep(infos) == {3, 12}
+    assert Retention(last=1, metric=None).keep(infos) == {12}
+    assert Retention().to_delete(infos) == []                      # no rule: keep everything
+    with pytest.raises(ValueError):
+        Retention(best=1, metric=None)
+    with pytest.raises(ValueError):
+        Retention(last=0)
+    with pytest.raises(ValueError):
+        Retention(mode="median")
+
+
+def test_best_step_from_commit_markers():
+    def commit(step, metrics, best=None):
+        c = Commit(step=step, world_size=1, manifests={0: (b"\0" * 32, 10, 0)}, created=1.0, bytes_total=0,
+                   metrics=metrics, run_id="ab12", best=best)
+        return decode_commit(encode_commit(c), step=step, what="COMMIT")     # round trip through the format
+    crit = {"metric": "loss", "mode": "min"}
+    commits = [commit(1, {"loss": 2.0}, crit), commit(2, {"loss": 1.0}, crit), commit(3, {"acc": 0.9}, crit),
+               commit(4, {"loss": float("nan")}, crit)]
+    assert commits[0].run_id == "ab12" and commits[0].best == crit
+    assert best_step(commits) == 2
+    assert best_step(commits, metric="loss", mode="max") == 1
+    assert best_step(commits, metric="acc", mode="max") == 3
+    assert best_step([commit(1, {"loss": 1.0})]) is None             # no criterion recorded, none given
+    old = Commit(step=1, world_size=1, manifests={0: (b"\0" * 32, 10, 0)}, created=1.0, bytes_total=0)
+    back = decode_commit(encode_commit(old), step=1, what="COMMIT")   # a marker without the new fields
+    assert back.run_id == "" and back.best is None
+
+
+# -- retention across a restart of the process ------------------------------------------------------------------
+def test_retention_keeps_what_the_policy_names_across_a_restart(tmp_path):
+    root = tmp_path / "run"
+    first_id = run_saver(root, 1, 8)                                # killed after step 8
+    with Store(root, create=False) as s:
+        assert s.steps() == [3, 5, 7, 8]                            # last 2, every 5th, best (3)
+    with Store(root, keep=Retention(**POLICY), packing=SMALL) as s:
+        state = {"w": None, "small": None, "step": None}
+        assert s.resume(state) == 8 and s.run_id == first_id
+        assert s.best_step() == 3
+        for step in range(9, 13):
+            s.save(state_at(step), step, metrics={"loss": loss(step)})
+        assert s.steps() == [3, 5, 10, 11, 12]
+        assert s.best_step() == 3 and s.latest_step() == 12
+        assert s.verify() == {st: None for st in s.steps()}
+        r = s.gc(grace_seconds=0, repack=None)
+        assert r.blobs_deleted + r.packs_deleted == 0               # retention's own sweep freed them
+    with Store(root, create=False) as s:                            # readers find best without the policy
+        commits = [s.commit_info(st) for st in s.steps()]
+        assert retention.best_step(commits) == 3 and {c.run_id for c in commits} == {first_id}
+        assert s.best_step() == 3
+        for st in s.steps():
+            assert s.load(st)["step"] == st
+
+
+@pytest.mark.parametrize("kind", ["s3", "gcs"])
+def test_retention_on_remote_across_a_restart(tmp_path, request, kind):
+    target = request.getfixturevalue(f"{kind}_bucket_url")
+    root = tmp_path / "run"
+    first_id = run_saver(root, 1, 8, target=target, how="kill:1")  # keep_local=1, killed after uploads
+    with remote_store(target) as r:
+        assert r.steps() == [3, 5, 7, 8]
+    with Store(root, create=False) as s:
+        assert s.steps() == [8]                                     # keep_local=1: local holds fewer
+    with Store(root, keep=Retention(**POLICY), packing=SMALL, keep_local=1, **remote_kw(target)) as s:
+        state = {"w": None, "small": None, "step": None}
+        assert s.resume(state) == 8 and s.run_id == first_id
+        for step in range(9, 13):
+            s.save(state_at(step), step, metrics={"loss": loss(step)})
+        s.wait_for_uploads(timeout=120)
+        assert s.steps() == [12]
+        assert s.best_step() == 3                                   # from the remote's markers
+    with remote_store(target) as r:
+        assert r.steps() == [3, 5, 10, 11, 12]
+        assert r.verify() == {st: None for st in r.steps()}
+        assert r.best_step() == 3 and r.commit_info(12).run_id == first_id
+        r.gc(grace_seconds=0, repack=None)
+        assert r.verify() == {st: None for st in r.steps()}
+    assert remote_pointer(target) == 12
+
+
+def test_latest_and_pending_uploads_are_never_removed(tmp_path, memory_url, monkeypatch):
+    gate, uploading = threading.Event(), threading.Event()
+    real = StepCopier.copy_step
+
+    def slow_copy(self, step):
+        if self.src.local_path("") is not None:                     # uploads only (not pulls)
+            uploading.set()
+            assert gate.wait(60)
+        return real(self, step)
+    monkeypatch.setattr(StepCopier, "copy_step", slow_copy)
+    root = tmp_path / "run"
+    with Store(root, keep=Retention(last=1, best=1, metric="loss"), **remote_kw(memory_url)) as s:
+        for step in range(1, 5):
+            s.save(state_at(step), step, metrics={"loss": loss(step)})
+        assert uploading.wait(30)
+        assert s.steps() == [1, 2, 3, 4]                            # all pending upload: none removed
+        gate.set()
+        s.wait_for_uploads(timeout=60)
+        s.save(state_at(5), 5, metrics={"loss": loss(5)})
+        assert s.steps() == [3, 5]                                  # the best and the newest
+        s.save(state_at(6), 6, metrics={"loss": loss(6)})
+        assert s.steps() == [3, 6]
+        s.wait_for_uploads(timeout=60)
+    with remote_store(memory_url) as r:
+        assert r.steps() == [3, 6] and r.verify() == {3: None, 6: None}
+
+
+# -- keep_local=0 -----------------------------------------------------------------------------------------------
+def test_keep_local_zero_keeps_no_local_copy_and_resumes_from_remote(tmp_path, s3_bucket_url):
+    root = tmp_path / "run"
+    frozen = torch.randn(30_000)
+    with Store(root, keep_local=0, packing=SMALL, **remote_kw(s3_bucket_url)) as s:
+        run_id = s.run_id
+        for step in (1, 2, 3):
+            s.save(state_at(step, frozen), step)
+        s.wait_for_uploads(timeout=120)
+        assert s.steps() == [] and data_files(root) == []            # nothing local once uploaded
+        assert not (root / "latest").exists()
+        with pytest.raises(IncompatibleCheckpointError, match="newest committed step is 3"):
+            s.save(state_at(2, frozen), 2)                          # the remote's steps count for rewinds
+        s.save(state_at(4, frozen), 4)                              # blobs deleted locally are written again
+        s.wait_for_uploads(timeout=120)
+        assert s.steps() == []
+    with remote_store(s3_bucket_url) as r:
+        assert r.steps() == [1, 2, 3, 4] and r.verify() == {i: None for i in (1, 2, 3, 4)}
+    with Store(root, keep_local=0, packing=SMALL, **remote_kw(s3_bucket_url)) as s:
+        state = {"w": None, "small": None, "step": None, "frozen": None}
+        assert s.resume(state) == 4 and s.resumed_from["tier"] == "remote"
+        assert s.run_id == run_id
+        assert torch.equal(state["w"], state_at(4)["w"]) and torch.equal(state["frozen"], frozen)
+        s.save(state_at(5, frozen), 5)
+        s.wait_for_uploads(timeout=120)
+        assert s.steps() == []
+    with remote_store(s3_bucket_url) as r:
+        assert r.steps()[-1] == 5 and r.verify(5) == {5: None} and r.commit_info(5).run_id == run_id
+
+
+# -- rewinding a run --------------------------------------------------------------------------------------------
+def test_rewind_is_refused_by_default_and_truncate_drops_later_steps_locally(tmp_path):
+    root = tmp_path / "run"
+    with Store(root, packing=SMALL) as s:
+        for step in range(1, 6):
+            s.save(state_at(step), step, metrics={"loss": loss(step)})
+        run_id = s.run_id
+        with pytest.raises(IncompatibleCheckpointError, match="step 3.*newest committed step is 5") as ei:
+            s.save(state_at(3), 3)
+        assert ei.value.latest == 5
+        with pytest.raises(IncompatibleCheckpointError, match="step 5"):
+            s.save(state_at(5), 5)
+        assert s.steps() == [1, 2, 3, 4, 5]
+    with Store(root, packing=SMALL, on_rewind="truncate") as s:
+        new3 = state_at(103)
+        s.save(new3, 3, metrics={"loss": 0.1})
+        assert s.steps() == [1, 2, 3] and s.latest_step() == 3
+        assert json.loads((root / "latest").read_text())["step"] == 3
+        assert torch.equal(s.load(3)["w"], new3["w"]) and s.commit_info(3).manifests[0][2] == 1
+        s.save(state_at(4), 4)
+        assert s.run_id == run_id
+    with Store(root) as s:
+        state = {"w": None, "small": None, "step": None}
+        assert s.resume(state) == 4 and s.run_id == run_id
+        assert s.verify() == {i: None for i in (1, 2, 3, 4)}
+
+
+@pytest.mark.parametrize("kind", ["s3", "gcs"])
+def test_truncate_drops_later_steps_on_the_remote_too(tmp_path, request, kind):
+    target = request.getfixturevalue(f"{kind}_bucket_url")
+    root = tmp_path / "run"
+    with Store(root, packing=SMALL, **remote_kw(target)) as s:
+        for step in range(1, 6):
+            s.save(state_at(step), step)
+        s.wait_for_uploads(timeout=120)
+    assert remote_pointer(target) == 5
+    with Store(root, packing=SMALL, on_rewind="truncate", **remote_kw(target)) as s:
+        s.save(state_at(5), 5)                                      # re-saving the newest step: a new generation
+        s.wait_for_uploads(timeout=120)
+        new = state_at(203)
+        s.save(new, 3)
+        assert s.steps() == [1, 2, 3]
+        s.wait_for_uploads(timeout=120)
+    with remote_store(target) as r:
+        assert r.steps() == [1, 2, 3] and r.verify() == {1: None, 2: None, 3: None}
+    assert remote_pointer(target) == 3
+    shutil.rmtree(root)                                             # resume from the remote alone
+    with Store(root, **remote_kw(target)) as s:
+        state = {"w": None, "small": None, "step": None}
+        assert s.resume(state) == 3 and s.resumed_from["tier"] == "remote"
+        assert torch.equal(state["w"], new["w"])
+        s.save(state_at(4), 4)                                      # the new timeline goes on
+        s.wait_for_uploads(timeout=120)
+    assert remote_pointer(target) == 4
+
+
+# -- the run id -------------------------------------------------------------------------------------------------
+def test_run_id_survives_sigkill_and_resume_locally(tmp_path):
+    root = tmp_path / "run"
+    rid = run_saver(root, 1, 3, keep=None)
+    assert len(rid) == 32 and int(rid, 16) >= 0
+    assert run_saver(root, 4, 5, keep=None) == rid                   # a restarted process, killed again
+    with Store(root) as s:
+        assert s.run_id == rid                                      # before resume: the newest marker's
+        state = {"w": None, "small": None, "step": None}
+        assert s.resume(state) == 5 and s.run_id == rid
+        assert {s.commit_info(st).run_id for st in s.steps()} == {rid}
+    other = Store(tmp_path / "other")
+    assert other.run_id != rid and len(other.run_id) == 32           # a new run, a new id
+    other.close()
+
+
+@pytest.mark.parametrize("kind", ["s3"])
+def test_run_id_survives_sigkill_and_resume_from_the_remote(tmp_path, request, kind):
+    target = request.getfixturevalue(f"{kind}_bucket_url")
+    root = tmp_path / "run"
+    rid = run_saver(root, 1, 3, keep=None, target=target, how="kill")
+    shutil.rmtree(root)                                             # the node is gone
+    with Store(root, **remote_kw(target)) as s:
+        state = {"w": None, "small": None, "step": None}
+        assert s.resume(state) == 3 and s.resumed_from["tier"] == "remote"
+        assert s.run_id == rid
+        s.save(state_at(4), 4)
+        s.wait_for_uploads(timeout=120)
+    with remote_store(target) as r:
+        assert r.commit_info(4).run_id == rid
+
+
+# -- retention beside a writer ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("blocking", [True, False])
+def test_retention_while_a_writer_saves_then_verify(tmp_path, blocking):
+    root = tmp_path / "run"
+    policy = Retention(last=2, every=4, best=1, metric="loss")
+    stop, errors, sweeps = threading.Event(), [], [0]
+
+    def deleter():                                  # another deleter applying the same policy (as `gc --keep`)
+        storage = open_storage(root)
+        catalog = Catalog(storage)
+        try:
+            while not stop.is_set():
+                retention.apply(catalog, policy)
+                r = collect(storage, catalog, BlobStore(storage), grace_seconds=0.0, wait=5.0)
+                sweeps[0] += not r.deferred
+                stop.wait(0.2)
+        except BaseException as e:
+            errors.append(e)
+    g = torch.Generator().manual_seed(0)
+    frozen = {f"f{i}": torch.randn(300 + i, generator=g) for i in range(20)}
+    with Store(root, keep=policy, packing=SMALL) as s:
+        s.save({"w": torch.zeros(10), **frozen}, 0, metrics={"loss": 10.0})
+        t = threading.Thread(target=deleter, daemon=True)
+        t.start()
+        try:
+            for step in range(1, 25):
+                w = torch.randn(50_000, generator=g)
+                h = s.save({"w": w, **frozen}, step, metrics={"loss": loss(step)}, blocking=blocking)
+                if not blocking and step % 7 == 0:
+                    h.result()
+            s.wait()
+        finally:
+            stop.set()
+            t.join(60)
+        assert not errors, errors
+        steps = s.steps()
+        assert steps == sorted({3, 23, 24} | set(range(0, 25, 4)))
+        assert s.verify() == {st: None for st in steps}
+        got = s.load(24)
+        assert all(torch.equal(got[k], v) for k, v in frozen.items())
+    assert sweeps[0] > 0
