@@ -11,7 +11,7 @@
 ROOT / URL: a local path, ``file://`` URL, or any fsspec URL (``s3://``, ``gs://``, ...); storage options
 (endpoint, credentials) come from ``--storage-options JSON`` or ``$CKPTSTORE_STORAGE_OPTIONS``, the same on every
 command and for every URL of a command. A step is a number, ``latest`` or ``best`` (see
-:mod:`ckptstore.policy_cli` for what best means: ``--metric`` / ``--mode``, else the criterion the newest commit
+:func:`ckptstore.retention.criterion` for what best means: ``--metric`` / ``--mode``, else the criterion the newest commit
 recorded, else ``loss`` / ``min``).
 
 Exit status: 0 ok, 1 problems found (``verify``, ``pull``: a damaged step; ``gc``: unreadable steps), 2 usage or
@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from . import policy_cli as policy
+from . import retention
 from .errors import CheckpointError
 from .redact import redact, register_secrets
 from .state import path_str
@@ -166,7 +166,7 @@ STEP = StepSpec()
 metric_opt = click.option("--metric", default=None, metavar="NAME",
                           help="Metric that ranks steps for 'best' (default: the criterion the newest commit "
                                "recorded, else loss).")
-mode_opt = click.option("--mode", type=click.Choice(policy.MODES), default=None,
+mode_opt = click.option("--mode", type=click.Choice(retention.MODES), default=None,
                         help="best = smallest (min) or largest (max) metric (default: recorded, else min).")
 
 
@@ -194,8 +194,8 @@ def _resolve_step(catalog, spec, metric, mode, where: str) -> int:
         return steps[-1]
     if spec == "best":
         commits = _readable(_commits(catalog, steps))
-        crit = policy.criterion(commits, metric, mode)
-        best = policy.best_step(commits, *crit)
+        crit = retention.criterion(commits, metric, mode)
+        best = retention.best_step(commits, *crit)
         if best is None:
             raise Failure(f"{where}: no committed step has the metric {crit[0]!r} (see --metric)")
         return best
@@ -245,8 +245,8 @@ def ls_cmd(root, remote, as_json, metric, mode, storage_options):
     committed = sorted(set().union(*(set(c) for c in seen.values())))
     info = {s: next((n, seen[n][s]) for n, _ in places if s in seen[n]) for s in committed}
     commits = [c for _, c in info.values() if not isinstance(c, str)]
-    crit = policy.criterion(commits, metric, mode)
-    best = policy.best_step(commits, *crit)
+    crit = retention.criterion(commits, metric, mode)
+    best = retention.best_step(commits, *crit)
     latest = committed[-1] if committed else None
     rows = []
     for step in sorted(set(dirs) | set(committed)):
@@ -457,10 +457,12 @@ def gc_cmd(root, keep_last, keep_every, keep_best, metric, mode, grace_seconds, 
         if keep_last or keep_every or keep_best:
             steps = store.steps()
             commits = _commits(store.catalog, steps)
-            rows = [c if not isinstance(c, str) else _Unreadable(s) for s, c in commits.items()]
-            crit = policy.criterion(_readable(commits), metric, mode)
-            dropped = policy.to_delete(rows, last=keep_last, every=keep_every, best=keep_best,
-                                       metric=crit[0], mode=crit[1])
+            crit = retention.criterion(_readable(commits), metric, mode)
+            keep = retention.Retention(last=keep_last, every=keep_every, best=keep_best, metric=crit[0],
+                                       mode=crit[1])      # the same policy objects Store(keep=...) uses
+            infos = [retention.StepInfo(s, {} if isinstance(c, str) else (c.metrics or {}))
+                     for s, c in commits.items()]         # an unreadable marker: no metrics, never best
+            dropped = keep.to_delete(infos)
             usage = step_usage(store.catalog, steps, {s: c for s, c in commits.items() if not isinstance(c, str)})
             kept = [s for s in steps if s not in dropped]
             console.print(_t(f"retention (keep-last={keep_last}, keep-every={keep_every}, keep-best={keep_best} "
@@ -492,14 +494,6 @@ def gc_cmd(root, keep_last, keep_every, keep_best, metric, mode, grace_seconds, 
         console.print(Text.assemble(_t(f"unreadable steps {r.unreadable_steps}: blobs were not swept", "red"),
                                     " (use --force)"))
         sys.exit(1)
-
-
-class _Unreadable:
-    """A committed step whose marker cannot be read: it has no metrics (so it is never best)."""
-    best = None
-
-    def __init__(self, step):
-        self.step, self.metrics = step, None
 
 
 # -- pull ---------------------------------------------------------------------------------------------------

@@ -219,6 +219,21 @@ class RetentionPolicy(Retention):
 
 
 # -- reading the criterion back from the commit markers -----------------------------------------------------
+def criterion(commits: Iterable[Any], metric: Optional[str] = None, mode: Optional[str] = None,
+              default: Tuple[str, str] = ("loss", "min")) -> Tuple[str, str]:
+    """``(metric, mode)`` for judging "best" among decoded commits: the given ones; else the newest commit's
+    recorded criterion (``commit.best``; its mode only goes with its own metric); else ``default``."""
+    recorded: Mapping[str, Any] = {}
+    for c in sorted(commits, key=lambda c: c.step, reverse=True):
+        rec = getattr(c, "best", None)
+        if isinstance(rec, Mapping) and isinstance(rec.get("metric"), str):
+            recorded = rec
+            break
+    if metric and metric != recorded.get("metric"):
+        recorded = {}
+    return metric or recorded.get("metric") or default[0], _check_mode(mode or recorded.get("mode") or default[1])
+
+
 def best_step(commits: Iterable[Any], metric: Optional[str] = None, mode: Optional[str] = None) -> Optional[int]:
     """The best step among decoded :class:`~ckptstore.manifest.Commit` objects, or ``None``.
 

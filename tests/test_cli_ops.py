@@ -216,21 +216,26 @@ def test_gc_retention_keeps_latest_and_best(five_steps):
     assert p.returncode == 2 and "Traceback" not in p.stderr
 
 
-def test_retention_policy_helper():
-    from ckptstore.policy_cli import best_step, to_delete
+def test_retention_criterion_and_policy_as_the_cli_uses_them():
+    from ckptstore.retention import Retention, StepInfo, best_step, criterion
 
     class C:
         def __init__(self, step, metrics, best=None):
             self.step, self.metrics, self.best = step, metrics, best
     cs = [C(1, {"loss": 1.0}), C(2, {"loss": 0.5}), C(3, {}), C(4, {"loss": float("nan")}), C(5, {"loss": 0.5}),
           C(6, {"loss": 3.0, "acc": 1}, best={"metric": "acc", "mode": "max"})]
-    assert best_step(cs[:5]) == 5                                       # tie: the newer step
-    assert best_step(cs) == 6                                           # the recorded criterion
+    assert criterion(cs[:5]) == ("loss", "min") and best_step(cs[:5], *criterion(cs[:5])) == 5   # tie: newer
+    assert criterion(cs) == ("acc", "max") and best_step(cs) == 6                 # the recorded criterion
+    assert criterion(cs, "loss") == ("loss", "min")                              # its mode goes with acc only
     assert best_step(cs, metric="loss") == 5 and best_step(cs, "loss", "max") == 6
-    assert to_delete(cs) == []
-    assert to_delete(cs, last=2, metric="loss") == [1, 2, 3, 4]
-    assert to_delete(cs[:4], last=1) == [1, 3]                          # 2 best, 4 newest
-    assert to_delete(cs, every=2, best=2, metric="loss") == [1, 3]
+    infos = [StepInfo(c.step, c.metrics) for c in cs]
+
+    def drop(infos, **kw):
+        return Retention(**kw).to_delete(infos)
+    assert drop(infos) == []
+    assert drop(infos, last=2, metric="loss") == [1, 2, 3, 4]
+    assert drop(infos[:4], last=1) == [1, 3]                                     # 2 best, 4 newest
+    assert drop(infos, every=2, best=2, metric="loss") == [1, 3]
 
 
 # -- pull ---------------------------------------------------------------------------------------------------
