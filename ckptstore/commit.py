@@ -67,7 +67,8 @@ def make_part(digest=None, bytes_total: int = 0, error: Optional[BaseException] 
 
 def agree_commit(coord: Coordinator, tag: str, step: int, part: Dict[str, Any], *, timeout: float,
                  write_commit: Callable[[Dict[int, tuple], int], bytes],
-                 write_copy: Callable[[bytes], None]) -> bool:
+                 write_copy: Callable[[bytes], None],
+                 on_committed: Optional[Callable[[bytes], None]] = None) -> bool:
     """Run the protocol above for this rank. ``write_commit(manifests, bytes_total) -> marker bytes`` (rank 0)
     writes the commit marker and pointer in rank 0's root; ``write_copy(marker bytes)`` (a leader of another
     root) writes it in this rank's root. Returns, once the step is committed, whether this rank wrote a commit
@@ -103,6 +104,8 @@ def agree_commit(coord: Coordinator, tag: str, step: int, part: Dict[str, Any], 
     else:
         verdict = _await_verdict(coord, tag, timeout)
     if verdict.get("committed"):
+        if on_committed is not None and verdict.get("commit"):
+            on_committed(verdict["commit"])         # every rank learns what rank 0 committed (e.g. the run id)
         if coord.rank in verdict.get("leaders", []):
             write_copy(verdict["commit"])
             return True

@@ -27,7 +27,7 @@ from .gc import GCReport, collect
 from .index import ChunkIndex
 from .lease import WriterOp, acquire_writer, read_epoch
 from .layout import check_step, manifest_path, pack_path
-from .manifest import Commit, Manifest, ManifestNode, ArrayEntry, encode_commit
+from .manifest import Commit, Manifest, ManifestNode, ArrayEntry, decode_commit, encode_commit
 from .packs import PackBuffers, Packing, ReadItem, read_chunks
 from .pointers import read_latest, write_latest, clear_latest
 from .reader import MapLocation, read_nodes, stored_sizes
@@ -585,9 +585,14 @@ class Store:
             def write_copy(data):
                 self._write_commit_marker(step, data)
                 self._point_to_committed(step)
+
+            def adopt(data):                          # rank 0's run id, on every rank, from the first commit
+                rid = decode_commit(data, step=step, what="commit verdict").run_id
+                if rid:
+                    self._run_id = rid
             try:
                 return agree_commit(self._coord, tag, step, part, timeout=self.collective_timeout,
-                                    write_commit=write_commit, write_copy=write_copy)
+                                    write_commit=write_commit, write_copy=write_copy, on_committed=adopt)
             except CheckpointError as e:
                 raise e from error
         if self.rank != 0:

@@ -223,9 +223,10 @@ def main():
 
 def close_and_report(store, rank):
     """Close the store (waits for uploads) and print how that went."""
+    run_id = store.run_id
     try:
         store.close()
-        print("RESULT " + json.dumps({"rank": rank, "close": "ok"}), flush=True)
+        print("RESULT " + json.dumps({"rank": rank, "close": "ok", "run_id": run_id}), flush=True)
     except CheckpointError as e:
         print("RESULT " + json.dumps({"rank": rank, "close": f"{type(e).__name__}: {e}"}), flush=True)
 

@@ -142,7 +142,9 @@ def test_node_local_roots_each_get_the_commit_and_resume(tmp_path):
     """Ranks 0-1 and 2-3 write to different roots (two "nodes"): each root gets its ranks' manifests and the
     commit marker, retention runs in each; resume with the same world size reads each rank's own root."""
     roots = str(tmp_path / "node{node}")
-    run(4, "--mode", "train", "--store", roots, "--steps", "4", "--keep-last", "2", "--full", str(tmp_path / "w.pt"))
+    saved = run(4, "--mode", "train", "--store", roots, "--steps", "4", "--keep-last", "2",
+                "--full", str(tmp_path / "w.pt"))
+    assert len({r["run_id"] for r in saved.values()}) == 1          # rank 0's run id reached every rank
     for node in (0, 1):
         assert store_steps(tmp_path / f"node{node}") == [3, 4]        # retention ran in each root
         d = step_dir(tmp_path / f"node{node}", 4)
@@ -152,7 +154,8 @@ def test_node_local_roots_each_get_the_commit_and_resume(tmp_path):
     with Store(tmp_path / "node1") as s:          # gc there: absent manifests are other nodes' parts
         report = s.gc(grace_seconds=0)
         assert report.unreadable_steps == [] and report.blobs_deleted + report.packs_deleted > 0
-    run(4, "--mode", "load", "--store", roots, "--full", str(tmp_path / "got.pt"))
+    loaded = run(4, "--mode", "load", "--store", roots, "--full", str(tmp_path / "got.pt"))
+    assert {r["run_id"] for r in loaded.values()} == {saved[0]["run_id"]}   # and survives the restart
     assert_same_state(full(tmp_path / "got.pt")["state"], full(tmp_path / "w.pt")["state"])
 
 
