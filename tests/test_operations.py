@@ -375,3 +375,49 @@ def test_retention_while_a_writer_saves_then_verify(tmp_path, blocking):
         got = s.load(24)
         assert all(torch.equal(got[k], v) for k, v in frozen.items())
     assert sweeps[0] > 0
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_remote_retention_and_remote_gc_beside_a_writer_then_verify(tmp_path, s3_bucket_url, blocking):
+    """A writer saves and uploads to loopback S3 (its uploader applies the policy there) while another party
+    runs retention + gc (with repack) on the same S3 prefix, as `ckptstore gc s3://... --keep-last` would:
+    afterwards every remote committed step verifies and the newest loads bit for bit."""
+    policy = Retention(last=2, every=5, best=1, metric="loss")
+    stop, errors, sweeps = threading.Event(), [], [0]
+
+    def remote_deleter():
+        try:
+            while not stop.is_set():
+                with remote_store(s3_bucket_url) as r:
+                    retention.apply(r.catalog, policy)
+                    report = r.gc(grace_seconds=0, wait_seconds=5)
+                    sweeps[0] += not report.deferred
+                stop.wait(0.3)
+        except BaseException as e:
+            errors.append(e)
+    g = torch.Generator().manual_seed(1)
+    frozen = torch.randn(5_000, generator=g)
+    with Store(tmp_path / "run", keep=policy, packing=SMALL, **remote_kw(s3_bucket_url)) as s:
+        s.save(state_at(0, frozen), 0, metrics={"loss": loss(0)})
+        s.wait_for_uploads(timeout=120)
+        t = threading.Thread(target=remote_deleter, daemon=True)
+        t.start()
+        try:
+            for step in range(1, 13):
+                h = s.save(state_at(step, frozen), step, metrics={"loss": loss(step)}, blocking=blocking)
+                if not blocking and step % 4 == 0:
+                    h.result()
+            s.wait_for_uploads(timeout=180)
+        finally:
+            stop.set()
+            t.join(120)
+    assert not errors, errors
+    assert sweeps[0] > 0
+    with remote_store(s3_bucket_url) as r:
+        steps = r.steps()
+        # what the policy may keep (3, the best, only if it was uploaded: the upload backlog may skip a step)
+        assert 12 in steps and set(steps) <= {0, 3, 5, 10, 11, 12}
+        assert r.verify() == {st: None for st in steps}
+        got = r.load(12)
+        want = state_at(12, frozen)
+        assert torch.equal(got["w"], want["w"]) and torch.equal(got["frozen"], frozen)
