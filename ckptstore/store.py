@@ -133,7 +133,9 @@ class Store:
             environment variables, else 0 / 1. Each rank writes its own manifest; rank 0 writes the commit
             marker once every rank's part is durable. Under an initialised process group of this world size,
             ``save`` and ``resume`` are collective (see :mod:`ckptstore.commit`, :mod:`ckptstore.restore`);
-            without one, rank 0 polls the shared root for the other ranks' manifests.
+            without one, rank 0 polls the shared root for the other ranks' manifests. To save from one
+            process alone while a process group exists (e.g. a consolidated export on rank 0), pass
+            ``rank=0, world_size=1``.
         collective_timeout: seconds a rank waits for the others in a collective save / resume (default
             600) before raising ``CommitError`` naming the ranks that did not arrive. ``commit_timeout`` is
             its former name.
