@@ -316,15 +316,15 @@ class Store:
         ``OSError`` from the disk (the step then stays invisible); ``CommitError`` as above.
         """
         self._check_open()
-        self.wait()                                   # one save in flight; surfaces an earlier failure
-        if self._uploader is not None:
-            self._uploader.raise_if_failed()          # an upload failure is never swallowed
+        self.wait()        # one save in flight; surfaces an earlier failure (a collective one: on every rank)
         t0 = time.perf_counter()
-        check_step(step)
-        metrics = normalize(metrics or {}, "metrics")
         tag = self._coord.next_tag(f"save/{step}") if self._coord is not None else None
         op = None
-        try:
+        try:              # from here on, a failure on one rank is reported to the others (they raise too)
+            if self._uploader is not None:
+                self._uploader.raise_if_failed()      # an upload failure is never swallowed
+            check_step(step)
+            metrics = normalize(metrics or {}, "metrics")
             op = self._begin_write(step)               # before the index: see ckptstore.lease
             self._check_rewind(step)                   # holds the writer lease: may truncate the later steps
             self._index.prepare(self.catalog, self.rank)   # before the snapshot: it decides what is unchanged
@@ -338,7 +338,7 @@ class Store:
         except BaseException as e:
             self._end_write(op)
             if tag is not None:                       # the other ranks must learn it: they raise too
-                self._commit(step, None, 0, metrics, tag=tag, error=e)
+                self._commit(step, None, 0, {}, tag=tag, error=e)
             raise
         t_snap = time.perf_counter()
         job = functools.partial(self._write_and_commit, step, nodes, stateful, specs, metrics, t0,
