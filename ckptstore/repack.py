@@ -79,15 +79,8 @@ def repack_packs(storage, catalog, committed: List[int], *, threshold: float = D
     todo = candidates(storage, ranges, threshold)
     if not todo:
         return
-    batches, cur, cur_live = [], [], 0
-    for pack, live, size in todo:
-        if cur and cur_live + live > target_size:
-            batches.append(cur)
-            cur, cur_live = [], 0
-        cur.append(pack)
-        cur_live += live
-    if cur:
-        batches.append(cur)
+    # the same pure grouping a save uses for new chunks: old packs whose live bytes fill one new pack
+    batches = [[todo[i][0] for i in group] for group in plan_packs([live for _, live, _ in todo], target_size)]
     own_buffers = buffers is None
     buffers = buffers or PackBuffers()
     pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ckptstore-repack")
