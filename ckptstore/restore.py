@@ -236,17 +236,25 @@ class StepLoader:
                 raise IncompatibleCheckpointError(
                     f"{key}: checkpoint holds {entry.dtype} of global shape {list(g)}, the target is "
                     f"{str(target.dtype).replace('torch.', '')} of shape {list(target.shape)}", step=self.commit.step)
-            dst, box = target.to_local(), target_box(target)
-            self.touched = True
+            box = target_box(target)
         else:
-            dst, box = torch.empty(g, dtype=dtype), ((0,) * len(g), tuple(g))
+            box = ((0,) * len(g), tuple(g))
         own = entry if self.same_world else None
         if own is not None and (own.shard.offset, own.shape) == box:
             overlaps = [(SavedShard(box, own, self.rank), box)]
         else:
             index = ShardIndex(g, self._shards(n.path))
             overlaps = index.overlapping(box)
-            index.check_covers(box, overlaps, key)
+            index.check_covers(box, overlaps, key)       # before anything is allocated or written
+        if is_dtensor(target):
+            dst = target.to_local()
+            self.touched = True
+        else:
+            try:
+                dst = torch.empty(g, dtype=dtype)
+            except (RuntimeError, MemoryError, ValueError) as e:
+                raise CorruptCheckpointError(f"cannot allocate the global shape {list(g)} the manifest claims "
+                                             f"({type(e).__name__})", step=self.commit.step, key=key) from None
         for shard, region in overlaps:
             if region == shard.box == box and dst.is_contiguous() and dst.device.type == "cpu" and dst.numel():
                 self._read_whole(dst, shard.entry, key)       # straight into place, chunks in parallel

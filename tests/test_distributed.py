@@ -227,3 +227,26 @@ def test_two_nodes_upload_their_parts_and_the_remote_step_needs_all_of_them(tmp_
     assert_same_state(full(tmp_path / "g.pt")["state"], full(tmp_path / "w.pt")["state"])
     names = sorted(p.name for p in step_dir(tmp_path / "node1", 2).glob("manifest-*"))
     assert names == ["manifest-rank00002.msgpack", "manifest-rank00003.msgpack"]
+
+
+def test_a_hostile_sharded_entry_is_a_checkpoint_error_and_resume_falls_back(tmp_path):
+    """A dtensor node claiming a global shape its shards do not cover fails that step only (no allocation of
+    the claimed size, no other exception type), and resume takes the older step."""
+    from ckptstore.errors import CheckpointError
+    from ckptstore.manifest import Commit
+    from ckptstore.sharding import ShardInfo
+    with Store(tmp_path) as s:
+        s.save({"w": torch.ones(4)}, 1)
+        s.save({"w": torch.full((4,), 2.0)}, 2)
+        commit = s.catalog.read_commit(2)
+        m = s.catalog.read_manifest(commit, 0)
+        node = next(n for n in m.nodes if n.kind == "tensor")
+        node.kind, node.payload.shape = "dtensor", (4, 1)
+        node.payload.shard = ShardInfo((1 << 40, 1 << 20), (0, 0), (1,), ("S(0)",))
+        digest = s.catalog.write_manifest(m)
+        s.catalog.write_commit(Commit(step=2, world_size=1, manifests={0: digest}, created=commit.created,
+                                      bytes_total=16))
+        with pytest.raises(CheckpointError, match="cover"):
+            s.load(2)
+        state = {"w": None}
+        assert s.resume(state) == 1 and torch.equal(state["w"], torch.ones(4))
