@@ -88,8 +88,9 @@ def agree_commit(coord: Coordinator, tag: str, step: int, part: Dict[str, Any], 
                     failures[r] = str(p.get("error", "failed"))
         marker = None
         if not failures:
-            if coord.decide(tag, "commit") != "commit":
-                failures[-1] = "a rank gave up waiting for the verdict"
+            settled = coord.decide(tag, "commit")
+            if settled != "commit":                 # "abort:<rank>": that rank gave up first
+                failures[_rank(settled.partition(":")[2])] = "gave up waiting for the verdict (rank 0 was late)"
             else:
                 try:
                     manifests = {r: (p["digest"], p["size"], p["gen"]) for r, p in enumerate(parts)}
