@@ -101,6 +101,20 @@ class _RangeFile:
         return bytes(buf[:got])
 
 
+def hash_stream(read, cap: Optional[int] = None, piece: int = _PIECE):
+    """BLAKE3 of what ``read(n)`` yields until it returns nothing or ``cap`` bytes were read (pieces of
+    ``piece`` bytes). Returns ``(hasher, bytes read)``."""
+    h = blake3.blake3()
+    total = 0
+    while cap is None or total < cap:
+        chunk = read(piece if cap is None else min(piece, cap - total))
+        if not chunk:
+            break
+        h.update(chunk)
+        total += len(chunk)
+    return h, total
+
+
 def stream_check(storage, path: str, codec: str, *, nbytes: Optional[int], blob_id: str, offset: int = 0,
                  stored: Optional[int] = None, limit: int = RECHECK_LIMIT) -> Tuple[bool, int]:
     """Hash one stored chunk in bounded memory (pieces of 8 MiB). Returns ``(hashes to blob_id, raw bytes)``.
@@ -110,28 +124,10 @@ def stream_check(storage, path: str, codec: str, *, nbytes: Optional[int], blob_
     ``OverflowError`` when the raw bytes pass ``limit`` (nothing can be concluded then).
     """
     cap = limit if nbytes is None else nbytes + 1
-    h = blake3.blake3()
-    total = 0
     src = _RangeFile(storage, path, offset, stored)
-    if codec == "raw":
-        while True:
-            piece = src.read(_PIECE)
-            if not piece:
-                break
-            h.update(piece)
-            total += len(piece)
-            if total >= cap:
-                break
-    else:
-        reader = zstandard.ZstdDecompressor().stream_reader(src, read_size=1 << 20)
-        while True:
-            piece = reader.read(min(_PIECE, cap - total))
-            if not piece:
-                break
-            h.update(piece)
-            total += len(piece)
-            if total >= cap:
-                break
+    if codec != "raw":
+        src = zstandard.ZstdDecompressor().stream_reader(src, read_size=1 << 20)
+    h, total = hash_stream(src.read, cap)
     if nbytes is None and total >= limit:
         raise OverflowError(f"more than {limit} raw bytes")
     return h.hexdigest() == blob_id and (nbytes is None or total == nbytes), total

@@ -16,10 +16,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
-import blake3
 import zstandard
 
-from .blobs import decompress, digest_bytes
+from .blobs import decompress, digest_bytes, hash_stream
 from .catalog import Catalog
 from .errors import CorruptCheckpointError, UploadError
 from .layout import blob_path, commit_path, manifest_path, pack_path
@@ -44,15 +43,8 @@ class TransferStats:
 
 
 def _file_digest(path: str) -> Tuple[str, int]:
-    h = blake3.blake3()
-    n = 0
     with open(path, "rb", buffering=0) as f:
-        while True:
-            piece = f.read(_HASH_PIECE)
-            if not piece:
-                break
-            h.update(piece)
-            n += len(piece)
+        h, n = hash_stream(f.read, piece=_HASH_PIECE)
     return h.hexdigest(), n
 
 
