@@ -198,7 +198,8 @@ def coalesce(items: Sequence[ReadItem], *, gap: int, max_span: int) -> List[Tupl
             s_off, s_len, s_items = spans[-1]
             s_end = s_off + s_len
             if start - s_end <= gap and max(end, s_end) - s_off <= max_span:
-                spans[-1] = (s_off, max(end, s_end) - s_off, s_items + [it])
+                s_items.append(it)                    # the list is this function's own: no copy per item
+                spans[-1] = (s_off, max(end, s_end) - s_off, s_items)
                 continue
         spans.append((start, end - start, [it]))
     return spans

@@ -12,9 +12,11 @@ stores the nodes, the blob layer stores the tensors' bytes.
 """
 from __future__ import annotations
 
+import gc
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Tuple
 
 import numpy as np
 import torch
@@ -32,6 +34,21 @@ _TORCH_DTYPE_NAMES = [
 ]
 TORCH_DTYPES: Dict[str, torch.dtype] = {n: getattr(torch, n) for n in _TORCH_DTYPE_NAMES if hasattr(torch, n)}
 TORCH_DTYPE_NAMES: Dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Hold off Python's cyclic garbage collector for a short, allocation-heavy phase (a snapshot, decoding a
+    manifest, building thousands of tensors): each young-generation pass walks every tracked object, and a
+    state of 4000 small tensors triggers dozens of them, which measured as half of a load's time
+    (benchmarks/bench_packs.py). Re-entrant; restores the previous setting; collects nothing itself."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def is_stateful(obj: Any) -> bool:
