@@ -48,6 +48,7 @@ from .state import TORCH_DTYPES, KeyPath, path_str
 
 FORMAT_VERSION = 2            # written by this library; 1 and 2 are read (see FORMAT.md)
 MAX_CHUNK_BYTES = 1 << 40
+MAX_COMMIT_BYTES = 64 << 20     # ~60 bytes per rank: room for a million ranks; read with this bound
 MAGIC = "ckptstore"
 _NP_DTYPE_RE = re.compile(r"^[<>|=][biufcSUVmM][0-9]+(\[[0-9]*[a-zA-Z]+\])?$")
 CONTAINER_KINDS = ("dict", "list", "tuple")
@@ -438,12 +439,18 @@ def _check_array_sanity(kind: str, entry: "ArrayEntry", where: str) -> None:
 
 # -- commit marker ------------------------------------------------------------------------------------------
 def encode_commit(c: Commit) -> bytes:
-    return frame("commit", {"step": c.step, "world_size": c.world_size, "created": c.created,
+    """The commit marker's bytes. Raises ``ValueError`` when they would exceed ``MAX_COMMIT_BYTES`` (a reader
+    never reads more: metrics and config are meant to be small)."""
+    data = frame("commit", {"step": c.step, "world_size": c.world_size, "created": c.created,
                             "bytes_total": c.bytes_total,
                             "manifests": [[r, d, s] + ([g] if g else []) for r, (d, s, g) in sorted(c.manifests.items())],
                             "metrics": c.metrics, "config": c.config, "writer": c.writer,
                             **({"run_id": c.run_id} if c.run_id else {}),
                             **({"best": dict(c.best)} if c.best else {})})
+    if len(data) > MAX_COMMIT_BYTES:
+        raise ValueError(f"step {c.step}: commit marker of {len(data)} bytes exceeds {MAX_COMMIT_BYTES} "
+                         "(metrics and config must be small)")
+    return data
 
 
 def decode_commit(data: bytes, *, step: int, what: str) -> Commit:

@@ -7,7 +7,6 @@ Data flows one way: state -> flatten (:mod:`.state`) -> byte views (:mod:`.snaps
 from __future__ import annotations
 
 import functools
-import gc
 import logging
 import os
 import threading
@@ -19,7 +18,7 @@ from typing import Any, Dict, Iterable, List, Mapping, MutableMapping, Optional
 
 from . import __version__
 from .blobs import CODECS, BlobStore, stream_check
-from .catalog import Catalog
+from .catalog import Catalog, ManifestCache
 from .collective import default_coordinator
 from .commit import agree_commit, make_part, root_identity
 from .errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
@@ -38,7 +37,7 @@ from .retention import Retention, from_shorthand
 from .retry import RetryPolicy
 from .runconfig import differences, normalize
 from .snapshot import ArraySpec, StagingPool, VersionCache, direct_view, spec_of
-from .state import Node, flatten, is_stateful, path_str, unflatten
+from .state import Node, flatten, gc_paused, is_stateful, path_str, unflatten
 from .storage import Storage, is_local, open_storage
 from .threads import background_pool
 from .transfer import StepCopier
@@ -206,7 +205,8 @@ class Store:
             raise FileNotFoundError(f"no store at {root}")
         self.storage: Storage = open_storage(root, storage_options, direct_io=direct_io)
         self.root = self.storage.url
-        self.catalog = Catalog(self.storage)
+        self._decoded = ManifestCache()          # manifests decoded by this store's catalogs (a pull, then a read)
+        self.catalog = Catalog(self.storage, self._decoded)
         self.blobs = BlobStore(self.storage)
         self.config = normalize(config)
         self.config_may_change = tuple(config_may_change)
@@ -267,12 +267,14 @@ class Store:
             self.remote_storage = open_storage(remote, self.storage_options)
             self._upload_args = dict(workers=upload_workers, retry=self._upload_retry, max_backlog=upload_backlog,
                                      on_uploaded=self._after_upload) if upload else None
+            # started after resume() (or at the first save / wait / close): see Uploader.start
             if self.rank == 0 and upload:           # one uploader per store root: rank 0's, and a parts-only
-                self._uploader = Uploader(self.storage, self.remote_storage, **self._upload_args)
+                self._uploader = Uploader(self.storage, self.remote_storage, start=False, **self._upload_args)
                 # one for each other root, started by its lowest rank at its first commit (see _commit), or
                 # now when this root already shows it is such a root (a restarted job finishing uploads)
             elif upload and self._leads_other_root():
-                self._uploader = Uploader(self.storage, self.remote_storage, parts_only=True, **self._upload_args)
+                self._uploader = Uploader(self.storage, self.remote_storage, parts_only=True, start=False,
+                                          **self._upload_args)
 
     def _leads_other_root(self) -> bool:
         """Whether this root is a node-local root without rank 0's parts and this rank is the lowest rank
@@ -328,13 +330,8 @@ class Store:
             op = self._begin_write(step)               # before the index: see ckptstore.lease
             self._check_rewind(step)                   # holds the writer lease: may truncate the later steps
             self._index.prepare(self.catalog, self.rank)   # before the snapshot: it decides what is unchanged
-            gc_was_enabled = gc.isenabled()
-            gc.disable()          # the snapshot is short and allocation-heavy: no heap-wide GC pass mid-stall
-            try:
+            with gc_paused():     # the snapshot is short and allocation-heavy: no heap-wide GC pass mid-stall
                 nodes, stateful, specs = self._snapshot(state, blocking)
-            finally:
-                if gc_was_enabled:
-                    gc.enable()
         except BaseException as e:
             self._end_write(op)
             if tag is not None:                       # the other ranks must learn it: they raise too
@@ -790,7 +787,8 @@ class Store:
             raise CheckpointError(f"step {step} was written by world_size={commit.world_size}: no rank {rank}")
         loader = StepLoader(self.catalog, self.blobs, commit, rank=rank, world_size=commit.world_size,
                             executor=self._pool, read_nodes=self._read_nodes)
-        return loader.load(loader.saved_keys(), {}, map_location=map_location)
+        with gc_paused():
+            return loader.load(loader.saved_keys(), {}, map_location=map_location)
 
     def load(self, step: Optional[int] = None, map_location: MapLocation = "cpu", *,
              rank: Optional[int] = None) -> Dict[str, Any]:
@@ -845,9 +843,17 @@ class Store:
         """
         self._check_open()
         self.wait()
+        try:
+            return self._resume(state, strict, rank_local)
+        finally:
+            if self._uploader is not None:        # held back until now: see Uploader.start
+                self._uploader.start()
+
+    def _resume(self, state, strict: bool, rank_local: str) -> Optional[int]:
         self.resumed_from = None
         self._touched = False
-        remote_catalog = Catalog(self.remote_storage) if self.remote_storage is not None else None
+        remote_catalog = (Catalog(self.remote_storage, self._decoded) if self.remote_storage is not None
+                          else None)
         pulled: set = set()
         tag = self._coord.next_tag("resume") if self._coord is not None else None
         if tag is None or self.rank == 0:
@@ -980,7 +986,8 @@ class Store:
         targets = {k: (state[k].state_dict() if is_stateful(state[k]) and (k in sharded or rank_local == "fresh")
                        else state[k]) for k in wanted}
         try:
-            loaded = loader.load(wanted, targets, rank_local=rank_local)
+            with gc_paused():
+                loaded = loader.load(wanted, targets, rank_local=rank_local)
         finally:
             self._touched = self._touched or loader.touched
         # Plain values were all read and verified above (DTensor targets were filled in place). Stateful
@@ -1050,7 +1057,7 @@ class Store:
     def _pull(self, step: int, ranks: Optional[List[int]] = None) -> None:
         """Copy a committed remote step (``ranks``' parts only, if given) into the local root (blobs
         verified), then mark it committed here."""
-        copier = StepCopier(self.remote_storage, self.storage, retry=self._upload_retry)
+        copier = StepCopier(self.remote_storage, self.storage, retry=self._upload_retry, decoded=self._decoded)
         try:
             with self._maint:
                 stats = copier.copy_step(step, ranks=ranks)

@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import zstandard
 
 from .blobs import decompress, digest_bytes, hash_stream
-from .catalog import Catalog
+from .catalog import Catalog, ManifestCache
 from .errors import CorruptCheckpointError, UploadError
 from .layout import blob_path, commit_path, manifest_path, pack_path
 from . import lease
@@ -61,12 +61,13 @@ class StepCopier:
     """
 
     def __init__(self, src, dst, *, workers: int = 8, retry: Optional[RetryPolicy] = None,
-                 mark_src: bool = False, progress: Optional[Callable[[int, int], None]] = None):
+                 mark_src: bool = False, progress: Optional[Callable[[int, int], None]] = None,
+                 decoded: Optional[ManifestCache] = None):
         self.src, self.dst = src, dst
         self.progress = progress
         self.mark_src = mark_src         # also register the copy as in flight on src (our own root)
         self._dst_epoch = None
-        self.src_catalog, self.dst_catalog = Catalog(src), Catalog(dst)
+        self.src_catalog, self.dst_catalog = Catalog(src, decoded), Catalog(dst, decoded)
         self.retry = retry or RetryPolicy()
         self.known_dst: Set[Tuple[str, str]] = set()
         self._lock = threading.Lock()

@@ -36,8 +36,11 @@ class Storage(ABC):
     coalesce_gap: int = 1 << 20
 
     @abstractmethod
-    def read_bytes(self, path: str) -> bytes:
-        """Whole file. Raises ``FileNotFoundError`` when it does not exist."""
+    def read_bytes(self, path: str, limit: Optional[int] = None) -> bytes:
+        """The whole file, or with ``limit`` at most its first ``limit`` bytes, in ONE request (a ranged GET on
+        object stores: no size lookup first). A reader that knows how large a file may be (a manifest: its
+        size in the commit marker) asks for one byte more and treats a full answer as "too large", so a
+        hostile file can never make it read more. Raises ``FileNotFoundError`` when it does not exist."""
 
     def read_into(self, path: str, out: memoryview) -> int:
         """Read the file into ``out`` (a writable byte buffer); return the file's size in bytes.

@@ -91,9 +91,9 @@ class LocalStorage(Storage):
             os.close(fd)
             raise
 
-    def read_bytes(self, path: str) -> bytes:
+    def read_bytes(self, path: str, limit: Optional[int] = None) -> bytes:
         with os.fdopen(self._open_regular(path), "rb") as f:
-            return f.read()
+            return f.read() if limit is None else f.read(limit)
 
     def read_into(self, path: str, out: memoryview) -> int:
         with os.fdopen(self._open_regular(path), "rb", buffering=0) as f:
