@@ -169,6 +169,30 @@ def test_hostile_manifest_is_a_corrupt_step_and_resume_falls_back(two_steps, mut
     assert_step10_intact(two_steps)
 
 
+def test_oversized_commit_marker_and_manifest_are_refused_without_reading_them_whole(two_steps):
+    """A commit marker past MAX_COMMIT_BYTES, or a manifest longer than its marker records, is a corrupt step
+    (read with a bound: one byte past the limit is all it takes), and resume falls back."""
+    from ckptstore.manifest import MAX_COMMIT_BYTES
+    commit = step_dir(two_steps, 20) / "COMMIT"
+    good = commit.read_bytes()
+    commit.write_bytes(good + b"\0" * (MAX_COMMIT_BYTES + 1 - len(good)))
+    with Store(two_steps) as s:
+        with pytest.raises(CorruptCheckpointError, match="larger than") as ei:
+            s.load(20)
+        assert ei.value.step == 20
+        state = fresh()
+        assert s.resume(state) == 10 and state["progress"]["step"] == 10
+    commit.write_bytes(good)
+    manifest = step_dir(two_steps, 20) / "manifest-rank00000.msgpack"
+    with open(manifest, "ab") as f:
+        f.write(b"\0")
+    with Store(two_steps) as s:
+        with pytest.raises(CorruptCheckpointError, match="does not match its commit marker"):
+            s.load(20)
+        assert s.load()["progress"]["step"] == 10
+    assert_step10_intact(two_steps)
+
+
 def test_failed_restore_applies_nothing_to_plain_entries(tmp_path):
     lin = torch.nn.Linear(3, 4)
     with Store(tmp_path) as s:

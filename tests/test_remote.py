@@ -167,6 +167,44 @@ def test_conditional_write_refuses_a_stale_version(tmp_path, request, kind):
     assert len(wins) == 1 and storage.read_bytes("p") == f"w{wins[0]}".encode()
 
 
+@pytest.mark.parametrize("kind", ["local", "s3", "gcs"])
+def test_bounded_read_returns_at_most_the_limit(tmp_path, request, kind):
+    """``read_bytes(path, limit)``: the first ``limit`` bytes (one ranged GET on object stores), the whole file
+    when shorter, ``b""`` for an empty object (which S3 and GCS answer 416 for any range)."""
+    if kind == "local":
+        storage = open_storage(tmp_path)
+    else:
+        target = request.getfixturevalue(f"{kind}_bucket_url")
+        storage = open_storage(target.url, target.storage_options)
+    storage.write_atomic("empty", b"")
+    storage.write_atomic("small", b"0123456789")
+    assert storage.read_bytes("empty", limit=5) == b""
+    assert storage.read_bytes("small", limit=4) == b"0123"
+    assert storage.read_bytes("small", limit=11) == b"0123456789"
+    assert storage.read_bytes("small") == b"0123456789"
+    with pytest.raises(FileNotFoundError):
+        storage.read_bytes("missing", limit=4)
+
+
+def test_leftover_uploads_start_after_resume_and_complete(tmp_path, s3_bucket_url):
+    """Steps committed locally but never uploaded (the job died first) are uploaded by the next run, after its
+    resume: the resume is the restart's critical path and gets the network and the interpreter to itself."""
+    local, target = tmp_path / "run", s3_bucket_url
+    with Store(local, remote=target.url, storage_options=target.storage_options, upload=False) as s:
+        s.save(state_at(1), 1)
+        s.save(state_at(2), 2)
+    with Store(local, remote=target.url, storage_options=target.storage_options) as s:
+        time.sleep(1.0)                                    # an uploader started at open would be busy by now
+        with remote_store(target) as r:
+            assert r.steps() == []
+        state = {"w": None, "progress": None}
+        assert s.resume(state) == 2 and s.resumed_from["tier"] == "local"
+        s.wait_for_uploads()
+    with remote_store(target) as r:
+        assert r.steps() == [1, 2] and r.verify() == {1: None, 2: None}
+        assert decode_pointer(r.storage.read_bytes(LATEST)) == 2
+
+
 def test_load_path_components_then_own_checkpoints_win(tmp_path, remote_url):
     pre = tmp_path / "pretrain"
     torch.manual_seed(0)
