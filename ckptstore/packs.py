@@ -229,9 +229,53 @@ def _finish(it: ReadItem, stored: memoryview) -> None:
 
 
 def _read_span(storage, pack: str, offset: int, length: int, items: List[ReadItem]) -> None:
+    """Read one coalesced span with a scatter read: raw chunks land in their own ``out`` buffers (no staging
+    copy of the span), zstd chunks in a buffer of their stored size, holes in one scratch buffer of at most
+    the coalescing gap; then every chunk is decoded and verified. A chunk referenced by several items (two
+    keys with equal bytes) is read once and copied. Spans whose ranges overlap (possible only across the
+    manifests of several ranks) are read into one staging buffer instead."""
     path = pack_path(pack)
-    direct = len(items) == 1 and items[0].ref.codec == "raw" and items[0].ref.offset == offset
-    buf = items[0].out if direct else memoryview(bytearray(length))
+    first: Dict[int, ReadItem] = {}
+    dups: List[Tuple[ReadItem, ReadItem]] = []
+    end, overlapping = offset, False
+    for it in items:                                   # sorted by offset (see coalesce)
+        same = first.get(it.ref.offset)
+        if same is not None and same.ref == it.ref:
+            dups.append((it, same))
+            continue
+        if it.ref.offset < end:
+            overlapping = True
+        first[it.ref.offset] = it
+        end = max(end, it.ref.offset + it.ref.stored)
+    if overlapping:
+        return _read_span_staged(storage, path, offset, length, items)
+    reads = list(first.values())
+    holes = [it.ref.offset - (prev.ref.offset + prev.ref.stored) for prev, it in zip(reads, reads[1:])]
+    scratch = memoryview(bytearray(max(holes, default=0)))
+    bufs: List[memoryview] = []
+    staged: List[Optional[memoryview]] = []
+    for i, it in enumerate(reads):
+        if i and holes[i - 1]:
+            bufs.append(scratch[:holes[i - 1]])
+        st = None if it.ref.codec == "raw" else memoryview(bytearray(it.ref.stored))
+        bufs.append(it.out if st is None else st)
+        staged.append(st)
+    try:
+        got = storage.read_range_scatter(path, offset, bufs)
+    except FileNotFoundError:
+        raise _corrupt("pack missing", items[0]) from None
+    except OSError as e:
+        raise _corrupt(f"pack unreadable ({e.strerror or e})", items[0]) from None
+    for it, st in zip(reads, staged):
+        if it.ref.offset - offset + it.ref.stored > got:
+            raise _corrupt(f"pack ends at byte {offset + got}, before the chunk's end", it)
+        _finish(it, st)
+    for it, src in dups:                               # same reference: the bytes were verified in src.out
+        it.out[:] = src.out
+
+
+def _read_span_staged(storage, path: str, offset: int, length: int, items: List[ReadItem]) -> None:
+    buf = memoryview(bytearray(length))
     try:
         got = storage.read_range_into(path, offset, buf)
     except FileNotFoundError:
@@ -242,7 +286,7 @@ def _read_span(storage, pack: str, offset: int, length: int, items: List[ReadIte
         lo = it.ref.offset - offset
         if lo + it.ref.stored > got:
             raise _corrupt(f"pack ends at byte {offset + got}, before the chunk's end", it)
-        _finish(it, None if direct else buf[lo: lo + it.ref.stored])
+        _finish(it, buf[lo: lo + it.ref.stored])
 
 
 def read_chunks(storage, items: Sequence[ReadItem], *, executor: Executor, gap: int = 1 << 20,

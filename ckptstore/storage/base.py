@@ -11,7 +11,7 @@ and names, nothing of tensors, steps or manifests. Two write primitives carry th
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import List, Optional, Union
+from typing import List, Optional, Sequence, Union
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -24,6 +24,17 @@ def content_token(data: bytes):
     """A version token derived from the content, for backends without object versions."""
     import hashlib
     return ("sha256", hashlib.sha256(data).hexdigest())
+
+
+def scatter(data: memoryview, bufs: Sequence[memoryview]) -> None:
+    """Copy ``data`` into ``bufs`` in order, filling each before the next, until ``data`` runs out."""
+    pos = 0
+    for b in bufs:
+        if pos >= len(data):
+            break
+        n = min(len(b), len(data) - pos)
+        b[:n] = data[pos: pos + n]
+        pos += n
 
 
 class Storage(ABC):
@@ -61,6 +72,17 @@ class Storage(ABC):
         data = self.read_bytes(path)[offset: offset + len(out)]
         out[: len(data)] = data
         return len(data)
+
+    def read_range_scatter(self, path: str, offset: int, bufs: Sequence[memoryview]) -> int:
+        """Read ``sum(len(b) for b in bufs)`` consecutive bytes of ``path`` from ``offset`` into ``bufs`` in
+        order (a scatter read: the bytes land in their destinations, no staging buffer of the whole range);
+        return how many were read (fewer at the end of the file). Raises ``FileNotFoundError``. This default
+        reads the range into one buffer and copies it out; local files override it with ``preadv``."""
+        total = sum(len(b) for b in bufs)
+        tmp = memoryview(bytearray(total))
+        got = self.read_range_into(path, offset, tmp)
+        scatter(tmp[:got], bufs)
+        return got
 
     @abstractmethod
     def size(self, path: str) -> Optional[int]:

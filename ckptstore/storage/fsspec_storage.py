@@ -13,7 +13,7 @@ from typing import List, Optional
 import fsspec
 
 from ..redact import redact, register_secrets, split_userinfo
-from .base import Buffer, Storage
+from .base import Buffer, Storage, scatter
 
 
 def _redact(url: str) -> str:
@@ -88,6 +88,15 @@ class FsspecStorage(Storage):
             return 0
         data = self.fs.cat_file(self._p(path), start=offset, end=offset + len(out))
         out[: len(data)] = data
+        return len(data)
+
+    def read_range_scatter(self, path: str, offset: int, bufs) -> int:
+        """One ranged GET; the response is copied into ``bufs`` (it is in memory anyway)."""
+        total = sum(len(b) for b in bufs)
+        if not total:
+            return 0
+        data = self.fs.cat_file(self._p(path), start=offset, end=offset + total)
+        scatter(memoryview(data), bufs)
         return len(data)
 
     def size(self, path: str) -> Optional[int]:
