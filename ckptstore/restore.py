@@ -256,8 +256,9 @@ class StepLoader:
                 raise CorruptCheckpointError(f"cannot allocate the global shape {list(g)} the manifest claims "
                                              f"({type(e).__name__})", step=self.commit.step, key=key) from None
         for shard, region in overlaps:
-            if region == shard.box == box and dst.is_contiguous() and dst.device.type == "cpu" and dst.numel():
-                self._read_whole(dst, shard.entry, key)       # straight into place, chunks in parallel
+            whole = _contiguous_part(dst, box, region) if region == shard.box else None
+            if whole is not None:
+                self._read_whole(whole, shard.entry, key)     # straight into place, chunks in parallel
             else:
                 fill(dst, box, shard, region, lambda e, lo, hi: reader.read(e, key, lo, hi))
         return target if is_dtensor(target) else dst
@@ -277,6 +278,21 @@ class StepLoader:
                 self._futures.append(self.executor.submit(self.blobs.read_into, c.blob_id, c.codec,
                                                           mv[off: off + c.nbytes], step=self.commit.step, key=key))
             off += c.nbytes
+
+
+def _contiguous_part(dst: torch.Tensor, box, region) -> Optional[torch.Tensor]:
+    """The part of ``dst`` (holding ``box``) that ``region`` covers, when it is one contiguous CPU range: the
+    whole box, or a dim-0 slice of it spanning every other dim (FSDP's shards, resharded to fewer ranks: each
+    saved shard is such a slice of the new one). ``None`` otherwise. Boxes are ``(offsets, sizes)``."""
+    (b_off, b_size), (r_off, r_size) = box, region
+    if not dst.numel() or dst.device.type != "cpu" or not dst.is_contiguous():
+        return None
+    if (r_off, r_size) == (b_off, b_size):
+        return dst
+    if not b_size or tuple(r_off[1:]) != tuple(b_off[1:]) or tuple(r_size[1:]) != tuple(b_size[1:]):
+        return None
+    part = dst.narrow(0, r_off[0] - b_off[0], r_size[0])
+    return part if part.numel() else None
 
 
 def _signatures(m: Manifest, wanted: Set[str]) -> Dict[KeyPath, Any]:
