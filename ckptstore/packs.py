@@ -228,6 +228,16 @@ def _finish(it: ReadItem, stored: memoryview) -> None:
         raise _corrupt("chunk content does not match its hash", it)
 
 
+def _span_read(read, first: ReadItem) -> int:
+    """Run one span's read; a missing or unreadable pack is a CorruptCheckpointError naming its first chunk."""
+    try:
+        return read()
+    except FileNotFoundError:
+        raise _corrupt("pack missing", first) from None
+    except OSError as e:
+        raise _corrupt(f"pack unreadable ({e.strerror or e})", first) from None
+
+
 def _read_span(storage, pack: str, offset: int, length: int, items: List[ReadItem]) -> None:
     """Read one coalesced span with a scatter read: raw chunks land in their own ``out`` buffers (no staging
     copy of the span), zstd chunks in a buffer of their stored size, holes in one scratch buffer of at most
@@ -260,12 +270,7 @@ def _read_span(storage, pack: str, offset: int, length: int, items: List[ReadIte
         st = None if it.ref.codec == "raw" else memoryview(bytearray(it.ref.stored))
         bufs.append(it.out if st is None else st)
         staged.append(st)
-    try:
-        got = storage.read_range_scatter(path, offset, bufs)
-    except FileNotFoundError:
-        raise _corrupt("pack missing", items[0]) from None
-    except OSError as e:
-        raise _corrupt(f"pack unreadable ({e.strerror or e})", items[0]) from None
+    got = _span_read(lambda: storage.read_range_scatter(path, offset, bufs), items[0])
     for it, st in zip(reads, staged):
         if it.ref.offset - offset + it.ref.stored > got:
             raise _corrupt(f"pack ends at byte {offset + got}, before the chunk's end", it)
@@ -276,12 +281,7 @@ def _read_span(storage, pack: str, offset: int, length: int, items: List[ReadIte
 
 def _read_span_staged(storage, path: str, offset: int, length: int, items: List[ReadItem]) -> None:
     buf = memoryview(bytearray(length))
-    try:
-        got = storage.read_range_into(path, offset, buf)
-    except FileNotFoundError:
-        raise _corrupt("pack missing", items[0]) from None
-    except OSError as e:
-        raise _corrupt(f"pack unreadable ({e.strerror or e})", items[0]) from None
+    got = _span_read(lambda: storage.read_range_into(path, offset, buf), items[0])
     for it in items:
         lo = it.ref.offset - offset
         if lo + it.ref.stored > got:
