@@ -78,7 +78,7 @@ class Uploader:
         for the network and the interpreter: measured, they made a small state's remote resume 1.5-2x
         slower (benchmarks/bench_packs.py)."""
         with self._start_lock:
-            if not self._thread.is_alive() and self._thread.ident is None:
+            if not self.started:
                 self._thread.start()
 
     @property

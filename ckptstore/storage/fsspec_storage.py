@@ -84,11 +84,7 @@ class FsspecStorage(Storage):
 
     def read_range_into(self, path: str, offset: int, out: memoryview) -> int:
         """One ranged GET (``Range: bytes=offset-end``)."""
-        if not len(out):
-            return 0
-        data = self.fs.cat_file(self._p(path), start=offset, end=offset + len(out))
-        out[: len(data)] = data
-        return len(data)
+        return self.read_range_scatter(path, offset, [out])
 
     def read_range_scatter(self, path: str, offset: int, bufs) -> int:
         """One ranged GET; the response is copied into ``bufs`` (it is in memory anyway)."""

@@ -119,17 +119,7 @@ class LocalStorage(Storage):
 
     def read_range_into(self, path: str, offset: int, out: memoryview) -> int:
         """``pread`` of ``len(out)`` bytes at ``offset`` (one system call for most ranges)."""
-        fd = self._open_regular(path)
-        try:
-            got, n = 0, len(out)
-            while got < n:
-                k = os.preadv(fd, [out[got:]], offset + got)
-                if k <= 0:
-                    break
-                got += k
-            return got
-        finally:
-            os.close(fd)
+        return self.read_range_scatter(path, offset, [out])
 
     def read_range_scatter(self, path: str, offset: int, bufs) -> int:
         """``preadv`` straight into ``bufs`` (at most ``IOV_MAX`` buffers per call; short reads resumed)."""
