@@ -530,15 +530,7 @@ def fmt_s(xs: List[float]) -> tuple:
 
 
 def table(head: List[str], rows: List[List[str]]) -> str:
-    lines = [head] + rows
-    widths = [max(len(str(l[i])) for l in lines) for i in range(len(head))]
-    out = []
-    for i, l in enumerate(lines):
-        out.append("  ".join(str(c).ljust(w) if j in (0, len(l) - 1) else str(c).rjust(w)
-                             for j, (c, w) in enumerate(zip(l, widths))).rstrip())
-        if i == 0:
-            out.append("-" * len(out[0]))
-    return "\n".join(out)
+    return C.align_table([head] + rows)
 
 
 def _mem_cells(results: List[dict], name: str) -> tuple:

@@ -426,6 +426,13 @@ def render_table(rows: list[Row], state_bytes: int, refs: dict[str, tuple[str, s
             cells.append(fmt_bytes(max(r.peak)) if r.peak else "n/a")
         cells.append(r.note)
         lines.append(cells)
+    return align_table(lines)
+
+
+def align_table(lines: list[list]) -> str:
+    """Columns padded to their widest cell (first and last left-aligned, the rest right-aligned), a rule of
+    dashes under the first line (the header)."""
+    head = lines[0]
     widths = [max(len(str(l[i])) for l in lines) for i in range(len(head))]
     out = []
     for i, l in enumerate(lines):
