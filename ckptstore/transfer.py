@@ -79,8 +79,11 @@ class StepCopier:
         self._pool.shutdown(wait=True)
         self._calls.shutdown(wait=False)
 
-    def call(self, fn, what):
-        """Run ``fn`` under the retry policy; a retry marks the step being copied as disturbed."""
+    def call(self, fn, what, policy: Optional[RetryPolicy] = None):
+        """Run ``fn`` under the retry policy (or ``policy``, which leaves the step being copied undisturbed);
+        a retry under the copier's own policy marks the step being copied as disturbed."""
+        if policy is not None:
+            return policy.call(fn, what, executor=self._calls)
         return self.retry.call(fn, what, executor=self._calls, on_retry=self._note_retry)
 
     def _note_retry(self, e: BaseException) -> None:

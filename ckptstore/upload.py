@@ -85,6 +85,24 @@ class Uploader:
     def started(self) -> bool:
         return self._thread.ident is not None
 
+    def newest_remote(self) -> Optional[int]:
+        """The remote's newest committed step: :attr:`remote_newest` once the uploader has listed the remote;
+        before that (it starts after ``resume``), one listing now, given at most ``retry.op_timeout`` seconds.
+        A save judges a rewind by it: with ``keep_local`` the remote may hold newer steps than the local root,
+        and a step saved at or below them would never be uploaded. An unreachable remote is logged and
+        answers ``None`` (the local root alone decides, as before this listing existed)."""
+        if self._derived:
+            return self.remote_newest
+        once = RetryPolicy(deadline=self.copier.retry.op_timeout, op_timeout=self.copier.retry.op_timeout)
+        try:
+            steps = self.copier.call(lambda: Catalog(self.remote).committed_steps(),
+                                     f"list steps of {self.remote.url}", policy=once)
+        except Exception as e:
+            log.warning("could not list %s to check the step against its newest (%s: %s): judged against the "
+                        "local root only", self.remote.url, type(e).__name__, e)
+            return None
+        return steps[-1] if steps else None
+
     def enqueue(self, step: int) -> None:
         self.start()
         with self._cond:

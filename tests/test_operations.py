@@ -246,6 +246,24 @@ def test_keep_local_zero_keeps_no_local_copy_and_resumes_from_remote(tmp_path, s
         assert r.steps()[-1] == 5 and r.verify(5) == {5: None} and r.commit_info(5).run_id == run_id
 
 
+def test_save_without_resume_is_judged_against_the_remote_steps_with_keep_local_zero(tmp_path, s3_bucket_url):
+    """A new process that saves without calling resume (its uploader has not listed the remote yet) must not
+    commit a step the remote already has newer ones than: that step would never be uploaded."""
+    root = tmp_path / "run"
+    with Store(root, keep_local=0, packing=SMALL, **remote_kw(s3_bucket_url)) as s:
+        for step in (1, 2, 3):
+            s.save(state_at(step), step)
+        s.wait_for_uploads(timeout=120)
+        assert s.steps() == []
+    with Store(root, keep_local=0, packing=SMALL, **remote_kw(s3_bucket_url)) as s:
+        with pytest.raises(IncompatibleCheckpointError, match="newest committed step is 3"):
+            s.save(state_at(2), 2)
+        s.save(state_at(4), 4)
+        s.wait_for_uploads(timeout=120)
+    with remote_store(s3_bucket_url) as r:
+        assert r.steps() == [1, 2, 3, 4]
+
+
 # -- rewinding a run --------------------------------------------------------------------------------------------
 def test_rewind_is_refused_by_default_and_truncate_drops_later_steps_locally(tmp_path):
     root = tmp_path / "run"
