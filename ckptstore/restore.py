@@ -144,6 +144,10 @@ class StepLoader:
     def saved_keys(self) -> Set[str]:
         return {n.path[0] for n in self.base.nodes if len(n.path) == 1}
 
+    def sharded_keys(self) -> Set[str]:
+        """Top-level keys holding saved DTensor shards (their targets are filled in place)."""
+        return {n.path[0] for n in self.base.nodes if n.kind == "dtensor"}
+
     def rank_local_paths(self, wanted: Set[str]) -> List[KeyPath]:
         """Top-most paths under ``wanted`` whose plain values or structure differ between the saved ranks."""
         if self.same_world:

@@ -31,13 +31,15 @@ from .packs import PackBuffers, Packing, ReadItem, read_chunks
 from .pointers import read_latest, write_latest, clear_latest
 from .reader import MapLocation, read_nodes, stored_sizes
 from .restore import StepLoader
+from .resume import first_valid_step, parts_needed, restore_into
 from .resolve import candidates, split_load_path
 from . import retention as _retention
 from .retention import Retention, from_shorthand
 from .retry import RetryPolicy
+from .rewind import ON_REWIND, drop_local_after, must_truncate, newest_of
 from .runconfig import differences, normalize
 from .snapshot import ArraySpec, StagingPool, VersionCache, direct_view, spec_of
-from .state import Node, flatten, gc_paused, is_stateful, path_str, unflatten
+from .state import Node, flatten, gc_paused, path_str
 from .storage import Storage, is_local, open_storage
 from .threads import background_pool
 from .transfer import StepCopier
@@ -48,7 +50,6 @@ log = logging.getLogger("ckptstore")
 
 DEFAULT_CHUNK_SIZE = 64 << 20
 RETENTION_WAIT = 5.0      # seconds retention's sweep waits for other ranks' saves in flight before deferring
-ON_REWIND = ("error", "truncate")
 
 
 class SaveHandle:
@@ -395,46 +396,28 @@ class Store:
         return op
 
     def _newest_committed(self) -> Optional[int]:
-        """The newest committed step of this run: local, or on the remote this store uploads to (as far as the
-        uploader knows it: with ``keep_local`` the local root may hold fewer)."""
-        local = self.catalog.committed_steps()
-        newest = local[-1] if local else None
-        remote = self._uploader.remote_newest if self._uploader is not None else None
-        if remote is not None and (newest is None or remote > newest):
-            newest = remote
-        return newest
+        """The newest committed step of this run: local, or on the remote this store uploads to (with
+        ``keep_local`` the local root may hold fewer; before the uploader has listed the remote, it is listed
+        here once, see :meth:`~ckptstore.upload.Uploader.newest_remote`)."""
+        remote = self._uploader.newest_remote() if self._uploader is not None else None
+        return newest_of(self.catalog.committed_steps(), remote)
 
     def _check_rewind(self, step: int) -> None:
         """``save`` of a step not newer than the newest committed one: raise (``on_rewind="error"``) or drop
-        the later steps first (``"truncate"``). Under torch.distributed each rank checks its own root (and rank
-        0 the remote); a refusal reaches every rank as ``CommitError`` naming it."""
-        newest = self._newest_committed()
-        if newest is None or step > newest:
-            return
-        if self.on_rewind == "error":
-            what = "re-saving" if step == newest else "rewinding to"
-            err = IncompatibleCheckpointError(
-                f"{what} step {step}: the newest committed step is {newest}; a save must be newer. Pass "
-                f"Store(..., on_rewind=\"truncate\") to drop the steps after {step} and continue from it")
-            err.step, err.latest = step, newest
-            raise err
-        self._truncate_after(step)
+        the later steps first (``"truncate"``); see :mod:`ckptstore.rewind`. Under torch.distributed each rank
+        checks its own root (and rank 0 the remote); a refusal reaches every rank as ``CommitError``."""
+        if must_truncate(step, self._newest_committed(), self.on_rewind):
+            self._truncate_after(step)
 
     def _truncate_after(self, step: int) -> None:
         """Drop every committed step newer than ``step``: the uploader is held still (waiting steps newer than
-        ``step`` are dropped), then the local steps go newest first (latest pointer moved away first), then the
-        remote's (rank 0; its pointer moved back by compare-and-swap, see FORMAT.md "Rewinding a run")."""
+        ``step`` are dropped), then the local steps go newest first, then the remote's (rank 0; its pointer
+        moved back by compare-and-swap, see FORMAT.md "Rewinding a run")."""
         uploader = self._uploader
         with (uploader.paused(drop_after=step) if uploader is not None else _null()):
             with self._maint:
-                dropped = sorted((s for s in self.catalog.committed_steps() if s > step), reverse=True)
-                for s in dropped:
-                    self._point_away_from(s)
-                    self.catalog.delete_step(s)
+                for s in drop_local_after(self.catalog, step, self._point_away_from):
                     self._metrics_cache.pop(s, None)
-                if dropped:
-                    log.warning("on_rewind=truncate: dropped local steps %s of %s to save step %d",
-                                sorted(dropped), self.root, step)
             if uploader is not None:
                 gone = uploader.truncate_remote(step)
                 for s in gone:
@@ -855,33 +838,23 @@ class Store:
         remote_catalog = (Catalog(self.remote_storage, self._decoded) if self.remote_storage is not None
                           else None)
         pulled: set = set()
-        tag = self._coord.next_tag("resume") if self._coord is not None else None
-        if tag is None or self.rank == 0:
+
+        def list_candidates():
+            nonlocal remote_catalog
             try:
-                tiers = list(candidates(self.catalog, remote_catalog))
+                return list(candidates(self.catalog, remote_catalog))
             except Exception as e:                    # an unreachable remote must not block a local resume
                 log.warning("remote %s unreachable (%s: %s): resuming from local steps only",
                             self.remote_storage.url, type(e).__name__, e)
-                remote_catalog, tiers = None, [(s, "local") for s in reversed(self.catalog.committed_steps())]
-        if tag is not None:                           # discovery once: rank 0 lists, every rank follows
-            got = self._coord.broadcast(f"{tag}/steps", {"steps": tiers if self.rank == 0 else None},
-                                        self.collective_timeout)
-            tiers = [tuple(t) for t in got["steps"]]
-        for i, (step, tier) in enumerate(tiers):
-            error, fatal = None, False
-            try:
-                tier = self._resume_step(state, step, tier, remote_catalog, pulled, strict, rank_local)
-            except IncompatibleCheckpointError as e:
-                error, fatal = e, True
-            except CheckpointError as e:
-                error = e
-            if tag is not None:
-                error, fatal = self._agree_outcome(f"{tag}/{i}", step, error, fatal)
-            if fatal:
-                raise error
-            if error is not None:
-                log.warning("cannot resume from step %d, trying an older step: %s", step, error)
-                continue
+                remote_catalog = None
+                return [(s, "local") for s in reversed(self.catalog.committed_steps())]
+
+        def attempt(step, tier):
+            return self._resume_step(state, step, tier, remote_catalog, pulled, strict, rank_local)
+        found = first_valid_step(list_candidates, attempt, coord=self._coord, timeout=self.collective_timeout,
+                                 tag=self._coord.next_tag("resume") if self._coord is not None else None)
+        if found is not None:
+            step, tier = found
             self.resumed_from = {"tier": tier, "step": step, "url": self.root if tier == "local" else
                                  self.remote_storage.url}
             log.info("resumed from step %d (%s)", step, tier)
@@ -902,7 +875,8 @@ class Store:
             if remote_catalog is None:
                 raise CorruptCheckpointError("not committed in this rank's root and no remote to pull from",
                                              step=step)
-            self._pull(step, ranks=self._own_part(remote_catalog, step))
+            self._pull(step, ranks=parts_needed(remote_catalog.read_commit(step).world_size, self.world_size,
+                                                self.rank))
             pulled.add(step)
             tier = "remote"
         try:
@@ -928,39 +902,10 @@ class Store:
         if rid:
             self._run_id = rid
 
-    def _own_part(self, catalog, step) -> Optional[List[int]]:
-        """The ranks whose parts this rank needs from ``catalog``'s ``step``: its own when the world size is
-        unchanged (a node pulls only what its ranks read), else all (resharding reads any rank's shards)."""
-        if self.world_size > 1 and catalog.read_commit(step).world_size == self.world_size:
-            return [self.rank]
-        return None
-
-    def _agree_outcome(self, tag, step, error, fatal):
-        """Every rank's outcome for ``step`` -> rank 0 -> the same answer everywhere: ``(None, False)`` when
-        all loaded it, else the first failing rank's error (fatal if any rank's was fatal)."""
-        msg = {"ok": error is None, "fatal": fatal, "error": None if error is None else str(error)[:2000]}
-        try:
-            outcomes = self._coord.gather(f"{tag}/outcome", msg, self.collective_timeout)
-        except CheckpointError as e:                  # rank 0: some rank never answered
-            outcomes = [{"ok": False, "fatal": True, "error": str(e)}]
-        verdict = None
-        if self.rank == 0:
-            bad = [(r, o) for r, o in enumerate(outcomes) if not o["ok"]]
-            verdict = {"ok": not bad, "fatal": any(o["fatal"] for _, o in bad),
-                       "error": "; ".join(f"rank {r}: {o['error']}" for r, o in bad)[:8000]}
-        verdict = self._coord.broadcast(f"{tag}/verdict", verdict, self.collective_timeout)
-        if verdict["ok"]:
-            return None, False
-        if verdict["fatal"]:
-            return (error if fatal else IncompatibleCheckpointError(verdict["error"], step=step)), True
-        return (error or CorruptCheckpointError(f"another rank could not load it: {verdict['error']}",
-                                                step=step)), False
-
     def _restore(self, state, catalog, blobs, step, *, strict, check_config, components=None,
                  rank_local: str = "error") -> None:
-        """Load ``step`` from ``catalog`` / ``blobs`` and apply it to ``state`` (see :mod:`ckptstore.restore`):
-        plain values are applied only once every byte is loaded and verified; DTensor targets are filled in
-        place. Raises Corrupt/IncompatibleCheckpointError."""
+        """Load ``step`` from ``catalog`` / ``blobs`` into ``state`` (:func:`ckptstore.resume.restore_into`),
+        checking the run config first. Raises Corrupt/IncompatibleCheckpointError."""
         commit = catalog.read_commit(step)
         if check_config:
             diffs = differences(commit.config, self.config, self.config_may_change)
@@ -969,40 +914,10 @@ class Store:
                                                   differing=diffs)
         loader = StepLoader(catalog, blobs, commit, rank=self.rank, world_size=self.world_size,
                             executor=self._pool, read_nodes=self._read_nodes)
-        saved_keys = loader.saved_keys()
-        if components is not None:
-            missing = (set(components) - saved_keys) | (set(components) - set(state))
-            if missing:
-                raise IncompatibleCheckpointError("load_components not found", step=step, missing=missing)
-            wanted, unexpected = set(components), set()
-        else:
-            missing, unexpected = set(state) - saved_keys, saved_keys - set(state)
-            if strict and (missing or unexpected):
-                raise IncompatibleCheckpointError("state keys do not match the checkpoint (pass strict=False "
-                                                  "to load the common keys)", step=step, missing=missing,
-                                                  unexpected=unexpected)
-            wanted = set(state) & saved_keys
-        sharded = {n.path[0] for n in loader.base.nodes if n.kind == "dtensor"}
-        targets = {k: (state[k].state_dict() if is_stateful(state[k]) and (k in sharded or rank_local == "fresh")
-                       else state[k]) for k in wanted}
         try:
-            with gc_paused():
-                loaded = loader.load(wanted, targets, rank_local=rank_local)
+            restore_into(state, loader, strict=strict, components=components, rank_local=rank_local)
         finally:
             self._touched = self._touched or loader.touched
-        # Plain values were all read and verified above (DTensor targets were filled in place). Stateful
-        # objects first: their load_state_dict may still refuse (a shape mismatch); plain entries are replaced
-        # only once all of them accepted, so a failed restore leaves them as they were.
-        keys = [k for k in list(state) if k in loaded]
-        for key in keys:
-            if is_stateful(state[key]):
-                state[key].load_state_dict(loaded[key])
-        for key in keys:
-            if not is_stateful(state[key]):
-                state[key] = loaded[key]
-        if components is None and not strict and (missing or unexpected):
-            log.warning("resumed step %d partially: not in checkpoint %s, not in state %s", step, sorted(missing),
-                        sorted(unexpected))
 
     def _read_nodes(self, blobs, manifest, **kw):
         """:func:`read_nodes`; a chunk of this store found damaged is dropped from the chunk index, so the next

@@ -1,0 +1,139 @@
+"""Resume: which step a run continues from (agreed by every rank), and how a step's values reach ``state``.
+
+Two small pieces, kept apart from :class:`~ckptstore.store.Store` (which wires them to its catalogs, pulls and
+pools):
+
+* :func:`first_valid_step` walks the candidate steps newest first (:func:`ckptstore.resolve.candidates`: local,
+  then remote). Under ``torch.distributed`` discovery happens once: rank 0 lists, then broadcasts the list (never
+  every rank LISTing the bucket); each candidate then costs one gather and one broadcast of the ranks'
+  outcomes, so a step that is damaged for one rank falls back for all, and an incompatibility on any rank raises
+  on all.
+* :func:`restore_into` applies one step, read by a :class:`~ckptstore.restore.StepLoader`, to ``state``:
+  Stateful objects get ``load_state_dict``, other entries are replaced, only once every plain value is read and
+  verified (DTensor targets are filled in place by the loader).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, Iterable, List, MutableMapping, Optional, Tuple
+
+from .collective import Coordinator
+from .errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
+from .state import gc_paused, is_stateful
+
+log = logging.getLogger("ckptstore")
+
+Tier = Tuple[int, str]          # (step, "local" | "remote")
+
+
+def first_valid_step(list_candidates: Callable[[], List[Tier]], attempt: Callable[[int, str], str], *,
+                     coord: Optional[Coordinator] = None, tag: Optional[str] = None,
+                     timeout: float = 600.0) -> Optional[Tier]:
+    """Load the newest candidate step that loads on every rank; return ``(step, tier)`` or ``None``.
+
+    ``list_candidates()`` -> ``[(step, tier), ...]`` newest first; called on rank 0 only under a coordinator
+    (the list is broadcast). ``attempt(step, tier)`` loads the step into this rank's state and returns the tier
+    it really came from (a damaged local step repaired from the remote is ``"remote"``); it raises
+    ``CheckpointError`` for a step that cannot be used (the next one is tried) and
+    ``IncompatibleCheckpointError`` for one that must not be skipped (raised on every rank at once).
+    """
+    tiers: Optional[List[Tier]] = None
+    if coord is None or coord.rank == 0:
+        tiers = list(list_candidates())
+    if coord is not None:                             # discovery once: rank 0 lists, every rank follows
+        got = coord.broadcast(f"{tag}/steps", {"steps": tiers}, timeout)
+        tiers = [(int(s), str(t)) for s, t in got["steps"]]
+    for i, (step, tier) in enumerate(tiers):
+        error: Optional[BaseException] = None
+        fatal = False
+        try:
+            tier = attempt(step, tier)
+        except IncompatibleCheckpointError as e:
+            error, fatal = e, True
+        except CheckpointError as e:
+            error = e
+        if coord is not None:
+            error, fatal = agree_outcome(coord, f"{tag}/{i}", step, error, fatal, timeout)
+        if fatal:
+            raise error
+        if error is not None:
+            log.warning("cannot resume from step %d, trying an older step: %s", step, error)
+            continue
+        return step, tier
+    return None
+
+
+def agree_outcome(coord: Coordinator, tag: str, step: int, error: Optional[BaseException], fatal: bool,
+                  timeout: float) -> Tuple[Optional[BaseException], bool]:
+    """Every rank's outcome for ``step`` -> rank 0 -> the same answer everywhere: ``(None, False)`` when all
+    loaded it, else this rank's error or one naming the failing ranks (fatal if any rank's was fatal). A rank
+    that does not answer within ``timeout`` s counts as fatal: the ranks no longer agree on what they hold."""
+    msg = {"ok": error is None, "fatal": fatal, "error": None if error is None else str(error)[:2000]}
+    try:
+        outcomes = coord.gather(f"{tag}/outcome", msg, timeout)
+    except CheckpointError as e:                      # rank 0: some rank never answered
+        outcomes = [{"ok": False, "fatal": True, "error": str(e)}]
+    verdict = None
+    if coord.rank == 0:
+        bad = [(r, o) for r, o in enumerate(outcomes) if not o["ok"]]
+        verdict = {"ok": not bad, "fatal": any(o["fatal"] for _, o in bad),
+                   "error": "; ".join(f"rank {r}: {o['error']}" for r, o in bad)[:8000]}
+    verdict = coord.broadcast(f"{tag}/verdict", verdict, timeout)
+    if verdict["ok"]:
+        return None, False
+    if verdict["fatal"]:
+        return (error if fatal else IncompatibleCheckpointError(verdict["error"], step=step)), True
+    return (error or CorruptCheckpointError(f"another rank could not load it: {verdict['error']}",
+                                            step=step)), False
+
+
+def parts_needed(saved_world_size: int, world_size: int, rank: int) -> Optional[List[int]]:
+    """The saved ranks whose parts ``rank`` pulls from a remote step: its own when the world size is unchanged
+    (a node pulls only what its ranks read), else all (resharding may read any rank's shards)."""
+    if world_size > 1 and saved_world_size == world_size:
+        return [rank]
+    return None
+
+
+def restore_into(state: MutableMapping[str, Any], loader, *, strict: bool,
+                 components: Optional[Iterable[str]] = None, rank_local: str = "error") -> None:
+    """Apply the step ``loader`` (a :class:`~ckptstore.restore.StepLoader`) reads to ``state``.
+
+    ``components``: only these top-level keys (each must be in both); else ``strict`` requires the top-level
+    keys of ``state`` and the step to match, and ``strict=False`` loads the common ones (logged). Stateful
+    values get ``load_state_dict`` first (they may still refuse: a shape mismatch), then plain entries are
+    replaced, so a failed restore leaves plain entries as they were. DTensors in what a Stateful's
+    ``state_dict()`` returns are filled in place (``loader.touched`` says whether any was).
+
+    Raises ``IncompatibleCheckpointError`` (keys), ``CorruptCheckpointError`` (a damaged chunk)."""
+    step = loader.commit.step
+    saved_keys = loader.saved_keys()
+    if components is not None:
+        components = set(components)
+        missing = (components - saved_keys) | (components - set(state))
+        if missing:
+            raise IncompatibleCheckpointError("load_components not found", step=step, missing=missing)
+        wanted, unexpected = components, set()
+    else:
+        missing, unexpected = set(state) - saved_keys, saved_keys - set(state)
+        if strict and (missing or unexpected):
+            raise IncompatibleCheckpointError("state keys do not match the checkpoint (pass strict=False "
+                                              "to load the common keys)", step=step, missing=missing,
+                                              unexpected=unexpected)
+        wanted = set(state) & saved_keys
+    sharded = loader.sharded_keys()
+    targets: Dict[str, Any] = {
+        k: (state[k].state_dict() if is_stateful(state[k]) and (k in sharded or rank_local == "fresh")
+            else state[k]) for k in wanted}
+    with gc_paused():
+        loaded = loader.load(wanted, targets, rank_local=rank_local)
+    keys = [k for k in list(state) if k in loaded]
+    for key in keys:
+        if is_stateful(state[key]):
+            state[key].load_state_dict(loaded[key])
+    for key in keys:
+        if not is_stateful(state[key]):
+            state[key] = loaded[key]
+    if components is None and not strict and (missing or unexpected):
+        log.warning("resumed step %d partially: not in checkpoint %s, not in state %s", step, sorted(missing),
+                    sorted(unexpected))
