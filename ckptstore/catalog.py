@@ -15,9 +15,10 @@ from typing import List, Optional, Tuple
 from .blobs import digest_bytes
 from .errors import CorruptCheckpointError
 from .state import gc_paused
-from .layout import STEPS, commit_path, manifest_path, parse_step_dir, step_dir
+from .layout import STEPS, commit_path, manifest_path, parse_step_dir, shards_path, step_dir
 from .manifest import (MAX_COMMIT_BYTES, Commit, Manifest, decode_commit, decode_manifest, encode_commit,
                        encode_manifest)
+from .shardmap import MAX_SHARD_MAP_BYTES, ShardMap
 
 log = logging.getLogger("ckptstore")
 
@@ -120,6 +121,37 @@ class Catalog:
         if self.decoded is not None:
             self.decoded.put(key, want_size, manifest)
         return data, manifest
+
+    def read_shard_map_bytes(self, commit: Commit) -> bytes:
+        """The shard map the commit marker names (``commit.shards`` must be set), checked against its digest
+        and size: one bounded read. Raises ``CorruptCheckpointError``."""
+        want_digest, want_size, gen = commit.shards
+        path = shards_path(commit.step, gen)
+        try:
+            data = self.storage.read_bytes(path, limit=min(want_size, MAX_SHARD_MAP_BYTES) + 1)
+        except FileNotFoundError:
+            raise CorruptCheckpointError("shard map missing", step=commit.step, blob=path) from None
+        except OSError as e:
+            raise CorruptCheckpointError(f"shard map unreadable ({e.strerror or e})", step=commit.step,
+                                         blob=path) from None
+        if len(data) != want_size or digest_bytes(data) != want_digest.hex():
+            raise CorruptCheckpointError(f"shard map does not match its commit marker ({len(data)} bytes, "
+                                         f"expected {want_size})", step=commit.step, blob=path)
+        return data
+
+    def read_shard_map(self, commit: Commit) -> ShardMap:
+        """The decoded shard map of ``commit`` (see :mod:`ckptstore.shardmap`). Raises
+        ``CorruptCheckpointError``."""
+        data = self.read_shard_map_bytes(commit)
+        with gc_paused():
+            return ShardMap.decode(data, step=commit.step, world_size=commit.world_size,
+                                   what=shards_path(commit.step, commit.shards[2]))
+
+    def write_shard_map(self, step: int, gen: int, data: bytes) -> Tuple[bytes, int, int]:
+        """Write a shard map atomically (before the commit marker naming it); return its (digest, size,
+        generation) for the marker."""
+        self.storage.write_atomic(shards_path(step, gen), data)
+        return bytes.fromhex(digest_bytes(data)), len(data), gen
 
     def manifest_digest(self, step: int, rank: int, gen: int = 0) -> Tuple[bytes, int, int]:
         """(digest, size, generation) of a rank's freshly written manifest, for the commit marker."""

@@ -4,12 +4,15 @@ Protocol for one ``save`` under ``torch.distributed`` (``tag`` is the save's key
 
 1. Every rank writes its chunks and its manifest (or fails doing so, or fails earlier: in a Stateful's
    ``state_dict``, in flatten) and sends rank 0 a *part*: ``ok``, its manifest's digest / size / generation,
-   its bytes, its error text, and where its root is (host, path, device and inode of the root directory).
+   its bytes, its error text, where its root is (host, path, device and inode of the root directory), and its
+   entry for the step's shard map (:mod:`ckptstore.shardmap`: the boxes of its sharded values, hashes of its
+   plain ones).
 2. Rank 0 gathers the parts (deadline ``collective_timeout``). If every part is ok, it settles the save as
-   ``"commit"`` (an atomic first-writer-wins decision in the key-value store), writes the commit marker into its
-   root and moves its latest pointer; otherwise it settles ``"abort"``. It broadcasts the verdict: committed
-   or not, each failing rank with its error, the commit marker's bytes, and the *leaders*: the lowest rank of
-   every other root (node-local disks), which write the same commit marker into their own root.
+   ``"commit"`` (an atomic first-writer-wins decision in the key-value store), writes the shard map, then the
+   commit marker into its root and moves its latest pointer; otherwise it settles ``"abort"``. It broadcasts
+   the verdict: committed or not, each failing rank with its error, the commit marker's bytes, and the
+   *leaders*: the lowest rank of every other root (node-local disks), which write the same shard map (its
+   bytes under a key of their own, read by the leaders only) and commit marker into their own root.
 3. A rank whose verdict does not come within the deadline (plus a slack: rank 0 may have started later) tries
    to settle the save as aborted by itself. If rank 0 settled first (commit or abort), the rank waits for the
    verdict after all (it is coming);
@@ -24,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .collective import CollectiveTimeout, Coordinator
 from .errors import CheckpointError
@@ -55,9 +58,12 @@ def root_identity(local_path: Optional[str]) -> List[Any]:
 
 
 def make_part(digest=None, bytes_total: int = 0, error: Optional[BaseException] = None,
-              where: Optional[List[Any]] = None) -> Dict[str, Any]:
-    """This rank's message to rank 0: its manifest's ``(digest, size, generation)`` or its error."""
+              where: Optional[List[Any]] = None, shard_entry: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """This rank's message to rank 0: its manifest's ``(digest, size, generation)`` and shard map entry
+    (:func:`ckptstore.shardmap.local_entry`), or its error."""
     part: Dict[str, Any] = {"ok": error is None, "bytes": int(bytes_total), "where": where or []}
+    if shard_entry is not None:
+        part["map"] = shard_entry
     if digest is not None:
         part["digest"], part["size"], part["gen"] = digest
     if error is not None:
@@ -66,13 +72,14 @@ def make_part(digest=None, bytes_total: int = 0, error: Optional[BaseException] 
 
 
 def agree_commit(coord: Coordinator, tag: str, step: int, part: Dict[str, Any], *, timeout: float,
-                 write_commit: Callable[[Dict[int, tuple], int], bytes],
-                 write_copy: Callable[[bytes], None],
+                 write_commit: Callable[[List[Dict[str, Any]]], Tuple[bytes, Optional[bytes]]],
+                 write_copy: Callable[[bytes, Optional[bytes]], None],
                  on_committed: Optional[Callable[[bytes], None]] = None) -> bool:
-    """Run the protocol above for this rank. ``write_commit(manifests, bytes_total) -> marker bytes`` (rank 0)
-    writes the commit marker and pointer in rank 0's root; ``write_copy(marker bytes)`` (a leader of another
-    root) writes it in this rank's root. Returns, once the step is committed, whether this rank wrote a commit
-    marker (rank 0, a leader): it then applies retention to its root. Raises :class:`CommitError`."""
+    """Run the protocol above for this rank. ``write_commit(parts) -> (marker bytes, shard map bytes or None)``
+    (rank 0) writes the shard map, the commit marker and the pointer in rank 0's root; ``write_copy(marker
+    bytes, shard map bytes or None)`` (a leader of another root) writes them in this rank's root. Returns, once
+    the step is committed, whether this rank wrote a commit marker (rank 0, a leader): it then applies
+    retention to its root. Raises :class:`CommitError`."""
     failures: Dict[int, str] = {}
     verdict: Optional[Dict[str, Any]] = None
     try:
@@ -86,21 +93,23 @@ def agree_commit(coord: Coordinator, tag: str, step: int, part: Dict[str, Any], 
             for r, p in enumerate(parts):
                 if not p.get("ok"):
                     failures[r] = str(p.get("error", "failed"))
-        marker = None
+        marker = shard_map = None
         if not failures:
             settled = coord.decide(tag, "commit")
             if settled != "commit":                 # "abort:<rank>": that rank gave up first
                 failures[_rank(settled.partition(":")[2])] = "gave up waiting for the verdict (rank 0 was late)"
             else:
                 try:
-                    manifests = {r: (p["digest"], p["size"], p["gen"]) for r, p in enumerate(parts)}
-                    marker = write_commit(manifests, sum(p["bytes"] for p in parts))
+                    marker, shard_map = write_commit(parts)
                 except Exception as e:
                     failures[0] = f"writing the commit marker: {type(e).__name__}: {e}"
         else:
             coord.decide(tag, "abort:0")
+        leaders = _leaders(parts) if parts is not None and not failures else []
+        if leaders and shard_map is not None:       # only the leaders read it: not in every rank's verdict
+            coord.broadcast(f"{tag}/shards", {"data": shard_map}, timeout)
         verdict = {"committed": not failures, "failures": {str(k): v for k, v in failures.items()},
-                   "commit": marker, "leaders": _leaders(parts) if parts is not None and not failures else []}
+                   "commit": marker, "leaders": leaders, "shards": shard_map is not None}
         coord.broadcast(f"{tag}/verdict", verdict, timeout)
     else:
         verdict = _await_verdict(coord, tag, timeout)
@@ -108,7 +117,8 @@ def agree_commit(coord: Coordinator, tag: str, step: int, part: Dict[str, Any], 
         if on_committed is not None and verdict.get("commit"):
             on_committed(verdict["commit"])         # every rank learns what rank 0 committed (e.g. the run id)
         if coord.rank in verdict.get("leaders", []):
-            write_copy(verdict["commit"])
+            shard_map = coord.broadcast(f"{tag}/shards", None, timeout)["data"] if verdict.get("shards") else None
+            write_copy(verdict["commit"], shard_map)
             return True
         return coord.rank == 0
     raise CommitError(step, {_rank(k): v for k, v in verdict.get("failures", {}).items()})

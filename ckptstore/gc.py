@@ -25,7 +25,8 @@ from typing import Iterable, List, Optional, Set
 
 from .errors import CheckpointError
 from .layout import (OBJECTS, PACKS, RETIRED, STEPS, check_blob_id, commit_path, manifest_path, pack_path,
-                     parse_blob_name, parse_manifest_name, parse_pack_name, step_dir)
+                     parse_blob_name, parse_manifest_name, parse_pack_name, parse_shards_name, shards_path,
+                     step_dir)
 from .lease import Deleter
 
 log = logging.getLogger("ckptstore")
@@ -143,7 +144,8 @@ def _collect(storage, catalog, blobs, report, deleter, grace_seconds, force, kee
             live, live_packs = referenced(catalog, committed, GCReport())
             now = time.time()                     # the packs retired just now count as retired for 0 s
 
-    # manifests a commit marker no longer names (a re-save or repack replaced them), once the marker is old
+    # manifests and shard maps a commit marker no longer names (a re-save or repack replaced them), once the
+    # marker is old
     if not linked(STEPS):
         for step in committed:
             sd = step_dir(step)
@@ -154,9 +156,12 @@ def _collect(storage, catalog, blobs, report, deleter, grace_seconds, force, kee
             except CheckpointError:
                 continue
             named = {manifest_path(step, r, g) for r, (_, _, g) in commit.manifests.items()}
+            if commit.shards is not None:
+                named.add(shards_path(step, commit.shards[2]))
             for name in storage.listdir(sd):
                 path = f"{sd}/{name}"
-                if ((parse_manifest_name(name) is not None and path not in named) or ".tmp-" in name) \
+                replaced = parse_manifest_name(name) is not None or parse_shards_name(name) is not None
+                if ((replaced and path not in named) or ".tmp-" in name) \
                         and old(path) and not storage.is_link(path):
                     report.manifests_removed += ".tmp-" not in name
                     report.temp_files_removed += ".tmp-" in name

@@ -113,6 +113,20 @@ def parse_manifest_name(name: str):
     return (int(m.group(1)), int(m.group(2) or 0)) if m else None
 
 
+def shards_path(step: int, gen: int = 0) -> str:
+    """Path of a step's shard map (see :mod:`ckptstore.shardmap`); ``gen``: its commit's rank 0 manifest
+    generation, so a re-saved step's new map never replaces the one its old commit marker names."""
+    if isinstance(gen, bool) or not isinstance(gen, int) or not 0 <= gen < 10**9:
+        raise ValueError(f"invalid shard map generation {gen!r}")
+    return f"{step_dir(step)}/shards{f'.g{gen}' if gen else ''}.msgpack"
+
+
+def parse_shards_name(name: str):
+    """``'shards.g2.msgpack'`` -> 2, ``'shards.msgpack'`` -> 0; anything else -> ``None``."""
+    m = re.match(r"^shards(?:\.g([1-9][0-9]{0,8}))?\.msgpack$", name)
+    return int(m.group(1) or 0) if m else None
+
+
 def commit_path(step: int) -> str:
     return f"{step_dir(step)}/{COMMIT_NAME}"
 

@@ -148,6 +148,7 @@ class Commit:
     writer: str = ""
     run_id: str = ""                              # the run's stable id ("" in markers written before it)
     best: Optional[Dict[str, str]] = None         # {"metric": str, "mode": "min"|"max"}: the best criterion
+    shards: Optional[Tuple[bytes, int, int]] = None   # the shard map's (blake3 digest, size, generation)
 
 
 # -- framing ------------------------------------------------------------------------------------------------
@@ -446,7 +447,8 @@ def encode_commit(c: Commit) -> bytes:
                             "manifests": [[r, d, s] + ([g] if g else []) for r, (d, s, g) in sorted(c.manifests.items())],
                             "metrics": c.metrics, "config": c.config, "writer": c.writer,
                             **({"run_id": c.run_id} if c.run_id else {}),
-                            **({"best": dict(c.best)} if c.best else {})})
+                            **({"best": dict(c.best)} if c.best else {}),
+                            **({"shards": list(c.shards)} if c.shards else {})})
     if len(data) > MAX_COMMIT_BYTES:
         raise ValueError(f"step {c.step}: commit marker of {len(data)} bytes exceeds {MAX_COMMIT_BYTES} "
                          "(metrics and config must be small)")
@@ -488,9 +490,17 @@ def decode_commit(data: bytes, *, step: int, what: str) -> Commit:
             if (not isinstance(best, dict) or set(best) != {"metric", "mode"} or not isinstance(best["metric"], str)
                     or not 0 < len(best["metric"]) <= 256 or best["mode"] not in ("min", "max")):
                 raise ValueError(f"bad best criterion {best!r:.80}")
+        shards = body.get("shards")
+        if shards is not None:
+            if not isinstance(shards, list) or len(shards) != 3 or not isinstance(shards[0], bytes) \
+                    or len(shards[0]) != 32:
+                raise ValueError(f"bad shard map reference {shards!r:.80}")
+            shards = (shards[0], _int(shards[1], "shard map size", 1), _int(shards[2], "shard map generation", 0,
+                                                                            10**9 - 1))
         return Commit(step=check_step(step), world_size=world_size, manifests=manifests, created=float(created),
                       bytes_total=_int(body.get("bytes_total", 0), "bytes_total"), metrics=metrics,
-                      config=config, writer=str(body.get("writer", "")), run_id=run_id, best=best)
+                      config=config, writer=str(body.get("writer", "")), run_id=run_id, best=best,
+                      shards=shards)
     except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError) as e:
         raise CorruptCheckpointError(f"invalid commit marker: {e}", step=step, blob=what) from None
 

@@ -12,7 +12,8 @@
   (:mod:`ckptstore.sharding`): a DTensor target **in place** (its local shard under its current mesh and
   placements), any other target as a new full tensor. Only the chunks holding the overlaps are read (ranged),
   each verified; extra memory is a few chunks. Other ranks' manifests are read only when this rank's own
-  shards do not cover its targets (a changed world size or mesh).
+  shards do not cover its targets (a changed world size or mesh), and then only those the step's shard map
+  (:mod:`ckptstore.shardmap`) names as overlapping, plus rank 0's.
 
 In-place fills are the one exception to "apply nothing before everything is verified" (the price of not
 holding a second copy of the model): a damaged chunk found halfway leaves some DTensor targets filled from the
@@ -30,10 +31,11 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, 
 import torch
 
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError
-from .manifest import ARRAY_KINDS, CONTAINER_KINDS, Commit, Manifest
+from .manifest import Commit, Manifest
 from .packs import ReadItem, read_chunks
 from .reader import wait_all
 from .sharding import SavedShard, ShardIndex, fill, is_dtensor, target_box
+from .shardmap import signatures, top_most
 from .state import TORCH_DTYPES, KeyPath, Node, path_str, unflatten
 
 log = logging.getLogger("ckptstore")
@@ -128,13 +130,30 @@ class StepLoader:
         self.same_world = commit.world_size == world_size
         self._manifests: Dict[int, Manifest] = {}
         self._by_path: Optional[Dict[KeyPath, List[SavedShard]]] = None
+        self._sharded_nodes: Dict[int, Dict[KeyPath, Any]] = {}     # rank -> path -> ArrayEntry
+        self._map: Any = False                      # the step's ShardMap; None: none / unreadable
         self.touched = False                        # some DTensor target was written in place
+        self.manifests_read = 0                     # how many manifests this loader read
 
     def manifest(self, r: int) -> Manifest:
         m = self._manifests.get(r)
         if m is None:
             m = self._manifests[r] = self.catalog.read_manifest(self.commit, r)
+            self.manifests_read += 1
         return m
+
+    def shard_map(self):
+        """The step's :class:`~ckptstore.shardmap.ShardMap` when the world size changed and the commit names
+        one; ``None`` otherwise, or when it cannot be read (logged: every manifest is read instead)."""
+        if self._map is False:
+            self._map = None
+            if not self.same_world and self.commit.shards is not None:
+                try:
+                    self._map = self.catalog.read_shard_map(self.commit)
+                except CorruptCheckpointError as e:
+                    log.warning("step %d: shard map unusable, reading every rank's manifest instead: %s",
+                                self.commit.step, e)
+        return self._map
 
     @property
     def base(self) -> Manifest:
@@ -152,14 +171,12 @@ class StepLoader:
         """Top-most paths under ``wanted`` whose plain values or structure differ between the saved ranks."""
         if self.same_world:
             return []
-        sigs = [_signatures(self.manifest(r), wanted) for r in range(self.commit.world_size)]
+        m = self.shard_map()
+        if m is not None and m.rank_local is not None:          # computed at save time from every rank
+            return [p for p in m.rank_local if p[0] in wanted]
+        sigs = [signatures(self.manifest(r), wanted) for r in range(self.commit.world_size)]
         paths = set().union(*(s.keys() for s in sigs))
-        differ = sorted((p for p in paths if len({s.get(p) for s in sigs}) > 1), key=lambda p: (len(p), p))
-        top: List[KeyPath] = []
-        for p in differ:
-            if not any(p[:len(q)] == q for q in top):
-                top.append(p)
-        return top
+        return top_most([p for p in paths if len({s.get(p) for s in sigs}) > 1])
 
     def _shards(self, path: KeyPath) -> List[SavedShard]:
         """Every saved shard of ``path`` over all ranks' manifests, this rank's first (read once, lazily)."""
@@ -176,6 +193,39 @@ class StepLoader:
                         by.setdefault(n.path, []).append(SavedShard((e.shard.offset, e.shape), e, r))
             self._by_path = by
         return self._by_path.get(path, [])
+
+    def _overlaps(self, path: KeyPath, g, box, key: str):
+        """The saved shards of ``path`` overlapping ``box``, with the overlaps, checked to cover it exactly.
+        Through the shard map, only the manifests of the ranks it names are read; when those do not cover the
+        box (a damaged or stale map), every manifest is. Raises ``CorruptCheckpointError``."""
+        m = self.shard_map()
+        ranks = m.ranks(path, g, box, prefer=self.rank) if m is not None else None
+        if ranks is not None:
+            index = ShardIndex(g, self._shards_of(path, ranks))
+            overlaps = index.overlapping(box)
+            try:
+                index.check_covers(box, overlaps, key)
+                return overlaps
+            except CorruptCheckpointError as e:
+                log.warning("step %d: the shard map's ranks %s do not cover %s (%s): reading every manifest",
+                            self.commit.step, ranks, key, e)
+        index = ShardIndex(g, self._shards(path))
+        overlaps = index.overlapping(box)
+        index.check_covers(box, overlaps, key)
+        return overlaps
+
+    def _shards_of(self, path: KeyPath, ranks: List[int]) -> List[SavedShard]:
+        """The saved shards of ``path`` in the manifests of ``ranks`` (this rank's first when among them)."""
+        out = []
+        for r in sorted(ranks, key=lambda r: r != self.rank):
+            nodes = self._sharded_nodes.get(r)
+            if nodes is None:
+                nodes = self._sharded_nodes[r] = {n.path: n.payload for n in self.manifest(r).nodes
+                                                  if n.kind == "dtensor"}
+            e = nodes.get(path)
+            if e is not None:
+                out.append(SavedShard((e.shard.offset, e.shape), e, r))
+        return out
 
     def load(self, wanted: Set[str], targets: Mapping[str, Any], *, rank_local: str = "error",
              map_location=None) -> Dict[str, Any]:
@@ -247,9 +297,7 @@ class StepLoader:
         if own is not None and (own.shard.offset, own.shape) == box:
             overlaps = [(SavedShard(box, own, self.rank), box)]
         else:
-            index = ShardIndex(g, self._shards(n.path))
-            overlaps = index.overlapping(box)
-            index.check_covers(box, overlaps, key)       # before anything is allocated or written
+            overlaps = self._overlaps(n.path, g, box, key)      # checked before anything is allocated or written
         if is_dtensor(target):
             dst = target.to_local()
             self.touched = True
@@ -297,19 +345,3 @@ def _contiguous_part(dst: torch.Tensor, box, region) -> Optional[torch.Tensor]:
         return None
     part = dst.narrow(0, r_off[0] - b_off[0], r_size[0])
     return part if part.numel() else None
-
-
-def _signatures(m: Manifest, wanted: Set[str]) -> Dict[KeyPath, Any]:
-    """path -> what must be equal across ranks for a non-sharded value to load on another world size."""
-    out: Dict[KeyPath, Any] = {}
-    for n in m.nodes:
-        if not n.path or n.path[0] not in wanted or n.kind == "dtensor":
-            continue
-        if n.kind in ARRAY_KINDS:
-            e = n.payload
-            out[n.path] = (n.kind, e.dtype, tuple(e.shape), tuple(c.blob_id for c in e.chunks))
-        elif n.kind in CONTAINER_KINDS:
-            out[n.path] = (n.kind, n.payload if n.kind != "dict" else None)
-        else:
-            out[n.path] = (n.kind, repr(n.payload))
-    return out

@@ -36,6 +36,7 @@ from .resolve import candidates, split_load_path
 from . import retention as _retention
 from .retention import Retention, from_shorthand
 from .retry import RetryPolicy
+from .shardmap import build as build_shard_map, local_entry
 from .rewind import ON_REWIND, drop_local_after, must_truncate, newest_of
 from .runconfig import differences, normalize
 from .snapshot import ArraySpec, StagingPool, VersionCache, direct_view, spec_of
@@ -257,8 +258,11 @@ class Store:
                                        or keep_local < 0):
             raise ValueError(f"keep_local must be an int >= 0 or None, got {keep_local!r}")
         self.keep_local = keep_local
-        #: where the last resume() came from: {"tier": "local"|"remote"|"load_path", "step": int, "url": str}
+        #: where the last resume() came from: {"tier": "local"|"remote"|"load_path", "step": int, "url": str,
+        #: "manifests_read": how many saved ranks' manifests this rank read (1 with an unchanged world size;
+        #: with another, rank 0's and those whose shards overlap this rank's, see ckptstore.shardmap)}
         self.resumed_from: Optional[Dict[str, Any]] = None
+        self._manifests_read = 0
         self._touched = False                       # DTensor targets written in place by a resume attempt
         self.remote_storage: Optional[Storage] = None
         self._uploader: Optional[Uploader] = None
@@ -456,7 +460,7 @@ class Store:
                 if tag is not None:                   # tell the other ranks; raises CommitError from e
                     self._commit(step, None, 0, metrics, tag=tag, error=e)
                 raise
-            committed = self._commit(step, digest, manifest.bytes_total, metrics, tag=tag)
+            committed = self._commit(step, digest, manifest.bytes_total, metrics, tag=tag, manifest=manifest)
         except BaseException:
             self._versions.clear()
             self._index.clear()
@@ -548,23 +552,35 @@ class Store:
             write_latest(self.storage, step)
 
     def _commit(self, step: int, own_digest, bytes_total: int, metrics, *, tag=None,
-                error: Optional[BaseException] = None) -> bool:
+                error: Optional[BaseException] = None, manifest: Optional[Manifest] = None) -> bool:
         """Make ``step`` visible. Returns whether this rank wrote a commit marker (and so applies retention to
         its root). Under ``torch.distributed`` the ranks agree first (see :mod:`ckptstore.commit`): rank 0
         commits only when every rank's part is durable, and every rank raises ``CommitError`` otherwise
-        (``error``: this rank's own failure, re-raised as the cause). Without a process group, rank 0 waits
-        for the other ranks' manifest files in the shared root."""
+        (``error``: this rank's own failure, re-raised as the cause); ``manifest`` (this rank's) gives its
+        entry of the step's shard map. Without a process group, rank 0 waits for the other ranks' manifest
+        files in the shared root (and writes no shard map: readers then read every manifest)."""
         if tag is not None:
-            part = make_part(own_digest, bytes_total, error,
-                             root_identity(self.storage.local_path("")))
+            part = make_part(own_digest, bytes_total, error, root_identity(self.storage.local_path("")),
+                             shard_entry=local_entry(manifest) if manifest is not None else None)
 
-            def write_commit(manifests, total):
-                data = encode_commit(self._new_commit(step, manifests, total, metrics))
+            def write_commit(parts):
+                manifests = {r: (p["digest"], p["size"], p["gen"]) for r, p in enumerate(parts)}
+                shard_map = ref = None
+                if all("map" in p for p in parts):
+                    shard_map = build_shard_map(step, [p["map"] for p in parts], manifest)
+                    ref = self.catalog.write_shard_map(step, self._save_gen, shard_map)
+                commit = self._new_commit(step, manifests, sum(p["bytes"] for p in parts), metrics)
+                commit.shards = ref
+                data = encode_commit(commit)
                 self._write_commit_marker(step, data)
                 self._point_to_committed(step)
-                return data
+                return data, shard_map
 
-            def write_copy(data):
+            def write_copy(data, shard_map):
+                if shard_map is not None:
+                    ref = decode_commit(data, step=step, what="commit verdict").shards
+                    if ref is not None:
+                        self.catalog.write_shard_map(step, ref[2], shard_map)
                 self._write_commit_marker(step, data)
                 self._point_to_committed(step)
 
@@ -856,7 +872,7 @@ class Store:
         if found is not None:
             step, tier = found
             self.resumed_from = {"tier": tier, "step": step, "url": self.root if tier == "local" else
-                                 self.remote_storage.url}
+                                 self.remote_storage.url, "manifests_read": self._manifests_read}
             log.info("resumed from step %d (%s)", step, tier)
             return step
         if self._touched:
@@ -918,6 +934,7 @@ class Store:
             restore_into(state, loader, strict=strict, components=components, rank_local=rank_local)
         finally:
             self._touched = self._touched or loader.touched
+            self._manifests_read = loader.manifests_read
 
     def _read_nodes(self, blobs, manifest, **kw):
         """:func:`read_nodes`; a chunk of this store found damaged is dropped from the chunk index, so the next
@@ -1014,6 +1031,8 @@ class Store:
         for s in steps:
             try:
                 commit = self.catalog.read_commit(s)
+                if commit.shards is not None:
+                    self.catalog.read_shard_map(commit)
                 for rank in sorted(commit.manifests):
                     self._verify_manifest(self.catalog.read_manifest(commit, rank))
                 out[s] = None

@@ -1,5 +1,5 @@
-"""Copy committed steps between two storages, in commit order: blobs and packs, then manifests, then the commit
-marker.
+"""Copy committed steps between two storages, in commit order: blobs and packs, then manifests (and the step's
+shard map), then the commit marker.
 
 The destination never shows a committed step with a missing blob or pack: the commit marker is copied only
 after every object and manifest it depends on is in place. Every byte is verified on the way: blobs and packs
@@ -21,7 +21,7 @@ import zstandard
 from .blobs import decompress, digest_bytes, hash_stream
 from .catalog import Catalog, ManifestCache
 from .errors import CorruptCheckpointError, UploadError
-from .layout import blob_path, commit_path, manifest_path, pack_path
+from .layout import blob_path, commit_path, manifest_path, pack_path, shards_path
 from . import lease
 from .lease import WriterOp, read_epoch
 from .manifest import Commit, Manifest
@@ -291,6 +291,11 @@ class StepCopier:
             for rank, data, _ in manifests:
                 path = manifest_path(step, rank, commit.manifests[rank][2])
                 self.call(lambda p=path, d=data: self.dst.write_atomic(p, d), f"write {path}")
+            if commit.shards is not None and marker != "skip":     # after the manifests, before the marker
+                shard_map = self.call(lambda: self.src_catalog.read_shard_map_bytes(commit),
+                                      f"read shard map of step {step}")
+                path = shards_path(step, commit.shards[2])
+                self.call(lambda: self.dst.write_atomic(path, shard_map), f"write {path}")
             if not self._disturbed:
                 if marker == "after_all":
                     self._await_other_parts(step, commit, {r for r, _, _ in manifests}, others_timeout)

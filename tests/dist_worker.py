@@ -192,6 +192,7 @@ def main():
             torch.save({"step": step, "state": fs, "progress": progress}, args.full)
         print("RESULT " + json.dumps({"rank": rank, "result": "loaded", "step": step,
                                       "tier": (store.resumed_from or {}).get("tier"),
+                                      "manifests_read": (store.resumed_from or {}).get("manifests_read"),
                                       "progress": state.get("progress")}), flush=True)
         close_and_report(store, rank)
         finish()

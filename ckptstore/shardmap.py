@@ -1,0 +1,154 @@
+"""The shard map of a step: which saved rank holds which box of every sharded key, and which plain values are
+rank-local. It lets a resume on another world size read only the manifests it needs.
+
+Without it, a rank that reshards must read every saved rank's manifest to find the shards overlapping its own
+(and to tell rank-local values from replicated ones): O(saved ranks) reads per rank, quadratic over the job
+(the "resume reading every file on every rank" of pytorch#125740). With it, a rank reads the commit marker,
+this map, rank 0's manifest (plain values) and the manifests of the ranks whose shards overlap its targets.
+
+Who writes it, and when (FORMAT.md "Shard map"): each rank adds a small *entry* to its part of the commit's one
+gather (:func:`local_entry`: per sharded key an 8-byte key hash and the saved box; per plain value an 8-byte key
+hash and an 8-byte signature hash), so the number of collectives per save stays constant. Rank 0 builds the map
+(:func:`build`), writes it as ``steps/<step>/shards[.g<gen>].msgpack`` before the commit marker, and records
+its digest, size and generation in the marker (leaders of other roots get its bytes through the coordinator
+and write it too). Keys are named by hash, not by path: the map stays small, and it only *selects* manifests:
+the shards themselves come from the manifests, matched by their full key path and checked to cover every
+target element, and a map that selects too few ranks (or cannot be read) makes the reader fall back to every
+manifest, logged. A commit marker without a map (older steps, single-process saves) reads every manifest, as
+before.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import msgpack
+
+from .manifest import ARRAY_KINDS, CONTAINER_KINDS, Manifest, frame, unframe
+from .sharding import SavedShard, ShardIndex
+from .state import KeyPath
+
+log = logging.getLogger("ckptstore")
+
+Box = Tuple[Tuple[int, ...], Tuple[int, ...]]
+MAX_SHARD_MAP_BYTES = 256 << 20      # a reader never reads more (about 8 M saved shard boxes)
+
+
+def key_hash(path: KeyPath) -> bytes:
+    """8 bytes naming a key path (its components are str / int)."""
+    return hashlib.blake2b(msgpack.packb(list(path), use_bin_type=True), digest_size=8).digest()
+
+
+def signatures(m: Manifest, wanted: Optional[set] = None) -> Dict[KeyPath, Any]:
+    """path -> what must be equal across ranks for a non-sharded value to load on another world size (its
+    kind, dtype, shape and chunk ids; a container's kind and length; a plain value's repr)."""
+    out: Dict[KeyPath, Any] = {}
+    for n in m.nodes:
+        if not n.path or n.kind == "dtensor" or (wanted is not None and n.path[0] not in wanted):
+            continue
+        if n.kind in ARRAY_KINDS:
+            e = n.payload
+            out[n.path] = (n.kind, e.dtype, tuple(e.shape), tuple(c.blob_id for c in e.chunks))
+        elif n.kind in CONTAINER_KINDS:
+            out[n.path] = (n.kind, n.payload if n.kind != "dict" else None)
+        else:
+            out[n.path] = (n.kind, repr(n.payload))
+    return out
+
+
+def top_most(paths: Sequence[KeyPath]) -> List[KeyPath]:
+    """The paths not under another one of ``paths``, shortest first."""
+    top: List[KeyPath] = []
+    for p in sorted(paths, key=lambda p: (len(p), [str(x) for x in p])):
+        if not any(p[:len(q)] == q for q in top):
+            top.append(p)
+    return top
+
+
+def local_entry(m: Manifest) -> Dict[str, Any]:
+    """This rank's contribution to the map, sent in the commit's gather: ``boxes`` ``[[key hash, offset,
+    shape], ...]`` of its sharded values and ``plain``: concatenated (key hash, signature hash) pairs, 16
+    bytes per plain value."""
+    boxes = [[key_hash(n.path), list(n.payload.shard.offset), list(n.payload.shape)]
+             for n in m.nodes if n.kind == "dtensor"]
+    plain = b"".join(key_hash(p) + hashlib.blake2b(repr(sig).encode(), digest_size=8).digest()
+                     for p, sig in signatures(m).items())
+    return {"boxes": boxes, "plain": plain}
+
+
+def _pairs(plain: bytes) -> Dict[bytes, bytes]:
+    if not isinstance(plain, bytes) or len(plain) % 16:
+        raise ValueError("bad plain signatures")
+    return {plain[i:i + 8]: plain[i + 8:i + 16] for i in range(0, len(plain), 16)}
+
+
+def build(step: int, entries: Sequence[Dict[str, Any]], rank0: Manifest) -> bytes:
+    """The map's bytes from every rank's :func:`local_entry` (index = rank) and rank 0's manifest (which names
+    the rank-local paths). ``rank_local`` is ``None`` ("unknown": readers compare the manifests) when the
+    ranks' plain keys differ in a way rank 0's paths cannot name."""
+    boxes: Dict[bytes, List[list]] = {}
+    for r, e in enumerate(entries):
+        for h, off, shape in e["boxes"]:
+            boxes.setdefault(h, []).append([r, off, shape])
+    names = {key_hash(p): p for p in signatures(rank0)}
+    sigs = [_pairs(e["plain"]) for e in entries]
+    rank_local: Optional[List[list]]
+    if any(set(s) - set(names) for s in sigs):
+        rank_local = None
+    else:
+        differ = [names[h] for h in names if len({s.get(h) for s in sigs}) > 1]
+        rank_local = [list(p) for p in top_most(differ)]
+    return frame("shards", {"step": step, "world_size": len(entries), "boxes": list(boxes.items()),
+                            "rank_local": rank_local})
+
+
+class ShardMap:
+    """A decoded, validated shard map. ``rank_local``: top-most rank-local paths (``None``: unknown)."""
+
+    def __init__(self, world_size: int, boxes: Dict[bytes, List[Tuple[int, Box]]],
+                 rank_local: Optional[List[KeyPath]]):
+        self.world_size, self._boxes, self.rank_local = world_size, boxes, rank_local
+        self._indexes: Dict[bytes, ShardIndex] = {}
+
+    @staticmethod
+    def decode(data: bytes, *, step: int, world_size: int, what: str) -> "ShardMap":
+        """Raises ``CorruptCheckpointError`` (naming ``what``) for damaged or inconsistent bytes."""
+        body, _ = unframe(data, "shards", what=what, step=step)
+        from .errors import CorruptCheckpointError
+        try:
+            if body.get("step") != step or body.get("world_size") != world_size:
+                raise ValueError(f"map is for step {body.get('step')!r}, world size {body.get('world_size')!r}")
+            boxes: Dict[bytes, List[Tuple[int, Box]]] = {}
+            for h, shards in body["boxes"]:
+                if not isinstance(h, bytes) or len(h) != 8 or not isinstance(shards, list):
+                    raise ValueError("bad key hash")
+                out = []
+                for r, off, shape in shards:
+                    if (not isinstance(r, int) or not 0 <= r < world_size or len(off) != len(shape)
+                            or not all(isinstance(x, int) and x >= 0 for x in list(off) + list(shape))):
+                        raise ValueError(f"bad box {[r, off, shape]!r:.80}")
+                    out.append((r, (tuple(off), tuple(shape))))
+                boxes[h] = out
+            rl = body.get("rank_local")
+            if rl is not None:
+                if not isinstance(rl, list) or not all(
+                        isinstance(p, list) and p and all(isinstance(x, (str, int)) for x in p) for p in rl):
+                    raise ValueError("bad rank-local paths")
+                rl = [tuple(p) for p in rl]
+            return ShardMap(world_size, boxes, rl)
+        except (ValueError, TypeError, KeyError) as e:
+            raise CorruptCheckpointError(f"invalid shard map: {e}", step=step, blob=what) from None
+
+    def ranks(self, path: KeyPath, global_shape: Tuple[int, ...], box: Box, prefer: int) -> Optional[List[int]]:
+        """The saved ranks whose shards of ``path`` overlap ``box`` (one rank per replicated box, ``prefer``
+        first), by bisection on dim 0; ``None`` when the map does not know the key."""
+        h = key_hash(path)
+        index = self._indexes.get(h)
+        if index is None:
+            saved = self._boxes.get(h)
+            if saved is None:
+                return None
+            ordered = sorted(saved, key=lambda rb: rb[0] != prefer)       # stable: then by rank
+            index = self._indexes[h] = ShardIndex(tuple(global_shape), (SavedShard(b, None, r) for r, b in ordered))
+        return sorted({s.rank for s, _ in index.overlapping(box)})
