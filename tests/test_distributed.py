@@ -263,12 +263,14 @@ def test_two_nodes_upload_their_parts_and_the_remote_step_needs_all_of_them(tmp_
     assert "steps/000000000002/manifest-rank00000.msgpack" in files
     assert "steps/000000000002/manifest-rank00002.msgpack" not in files
     assert "steps/000000000002/COMMIT" not in files and "latest" not in files
+    for node in (0, 1):            # the leader of node 1's root got the shard map from rank 0, with the marker
+        assert {"COMMIT", "shards.msgpack"} <= {p.name for p in step_dir(tmp_path / f"node{node}", 2).iterdir()}
     # the job restarts: node 1's lowest rank sees its root holds parts to upload; rank 0 then commits
     res = run(4, "--mode", "load", "--store", roots, "--remote", url, "--so", so)
     assert {r["close"] for r in res.values()} == {"ok"} and {r["step"] for r in res.values()} == {2}
     files = remote_files()
     assert {f"steps/000000000002/manifest-rank{r:05d}.msgpack" for r in range(4)} <= files
-    assert "steps/000000000002/COMMIT" in files
+    assert {"steps/000000000002/COMMIT", "steps/000000000002/shards.msgpack"} <= files
     # node 1 loses its disk: its ranks pull their own parts from S3 and the job resumes bit for bit
     shutil.rmtree(tmp_path / "node1")
     res = run(4, "--mode", "load", "--store", roots, "--remote", url, "--so", so, "--full", str(tmp_path / "g.pt"))
@@ -276,6 +278,7 @@ def test_two_nodes_upload_their_parts_and_the_remote_step_needs_all_of_them(tmp_
     assert_same_state(full(tmp_path / "g.pt")["state"], full(tmp_path / "w.pt")["state"])
     names = sorted(p.name for p in step_dir(tmp_path / "node1", 2).glob("manifest-*"))
     assert names == ["manifest-rank00002.msgpack", "manifest-rank00003.msgpack"]
+    assert (step_dir(tmp_path / "node1", 2) / "shards.msgpack").exists()      # pulled with the parts
 
 
 def test_a_hostile_sharded_entry_is_a_checkpoint_error_and_resume_falls_back(tmp_path):
