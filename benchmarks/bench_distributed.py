@@ -367,6 +367,7 @@ def rank_reshard(cfg: dict, rank: int, world: int) -> dict:
                 def load():
                     with _store(path, cfg) as s:
                         assert s.resume({"app": app}) == 1
+                        out[f"manifests_read {kind}"] = s.resumed_from.get("manifests_read")
                 rec = _timed(counters, mem, load)
             else:
                 rec = _timed(counters, mem, lambda: dcp.load({"app": app}, checkpoint_id=path))
@@ -679,6 +680,11 @@ def main() -> int:
                          "state" if args.verify else "off"), flush=True)
             text, js = report_fsdp(fs, rs, args, args.world, args.reshard_to)
             print("\n" + text)
+            if rs:
+                reads = [r.get("manifests_read reshard") for r in rs]
+                print(f"\nckptstore {args.world}->{args.reshard_to}: manifests read per rank {reads} of "
+                      f"{args.world} saved (through the step's shard map)", flush=True)
+                js["manifests_read_reshard"] = reads
             print(f"\nseconds = the slowest rank, ranks start after a barrier; median of {args.repeat}. "
                   "x DCP = / the DCP row of the same operation. x same-size = resharding resume / resume of a "
                   f"checkpoint saved by {args.reshard_to} ranks, same job. peak RSS+/rank = max over ranks of "
