@@ -448,13 +448,16 @@ class Store:
         try:
             try:
                 self._save_gen = self._prepare_step(step)
-                refs, stats = write_arrays(self.blobs, specs, chunk_size=self.chunk_size, codec=self.codec,
-                                           level=self.zstd_level, executor=pool, packing=self.packing,
-                                           index=self._index, buffers=self._pack_buffers)
-                t_blobs = time.perf_counter()
-                manifest = Manifest(step=step, rank=self.rank, world_size=self.world_size, stateful=stateful,
-                                    nodes=self._manifest_nodes(nodes, specs, refs))
-                digest = self.catalog.write_manifest(manifest, self._save_gen)
+                # chunk references and manifest nodes: thousands of small objects, no cycles among them; a
+                # collector pass here walked the whole heap (measured: 0.1 s of a 0.17 s small-state save)
+                with gc_paused():
+                    refs, stats = write_arrays(self.blobs, specs, chunk_size=self.chunk_size, codec=self.codec,
+                                               level=self.zstd_level, executor=pool, packing=self.packing,
+                                               index=self._index, buffers=self._pack_buffers)
+                    t_blobs = time.perf_counter()
+                    manifest = Manifest(step=step, rank=self.rank, world_size=self.world_size,
+                                        stateful=stateful, nodes=self._manifest_nodes(nodes, specs, refs))
+                    digest = self.catalog.write_manifest(manifest, self._save_gen)
                 self._check_still_writer()
             except BaseException as e:
                 if tag is not None:                   # tell the other ranks; raises CommitError from e
