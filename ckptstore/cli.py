@@ -330,6 +330,14 @@ def show_cmd(root, step, step_opt, rank, values, as_json, metric, mode, storage_
         if not 0 <= rank < commit.world_size:
             raise Failure(f"step {step} was written by {commit.world_size} rank(s): no rank {rank}")
         manifests = {r: store.catalog.read_manifest(commit, r) for r in sorted(commit.manifests)}
+        shard_map = None
+        if commit.shards is not None:
+            try:
+                rl = store.catalog.read_shard_map(commit).rank_local
+                shard_map = {"bytes": commit.shards[1], "rank_local": None if rl is None else
+                             [path_str(p) for p in rl]}
+            except CheckpointError as e:
+                shard_map = {"bytes": commit.shards[1], "error": str(e)}
     manifest = manifests[rank]
     ranks, meshes = [], []
     for r, m in manifests.items():
@@ -359,7 +367,7 @@ def show_cmd(root, step, step_opt, rank, values, as_json, metric, mode, storage_
     if as_json:
         doc = {"step": step, "world_size": commit.world_size, "rank": rank, "created": commit.created,
                "bytes_total": commit.bytes_total, "writer": commit.writer, "metrics": commit.metrics,
-               "config": commit.config, "mesh": meshes, "ranks": ranks, "keys": keys}
+               "config": commit.config, "mesh": meshes, "ranks": ranks, "shard_map": shard_map, "keys": keys}
         click.echo(redact(json.dumps(doc, indent=1, default=str)))
         return
     console.print(_t(f"step {step}  {_created(commit.created)} UTC  world size {commit.world_size}  "
@@ -377,6 +385,11 @@ def show_cmd(root, step, step_opt, rank, values, as_json, metric, mode, storage_
         for r in ranks:
             rt.add_row(str(r["rank"]), _human(r["bytes"]), str(r["tensors"]), str(r["sharded"]), str(r["chunks"]))
         console.print(rt)
+        if shard_map is not None:
+            what = (f"unreadable: {shard_map['error']}" if "error" in shard_map else
+                    "rank-local keys " + (", ".join(shard_map["rank_local"]) or "none")
+                    if shard_map["rank_local"] is not None else "rank-local keys unknown")
+            console.print(_t(f"shard map: {_human(shard_map['bytes'])}; {what}"))
     any_sharded = any(k.get("sharding") for k in keys)
     table = Table(title=f"keys of rank {rank}" if commit.world_size > 1 else None)
     table.add_column("key", overflow="fold", min_width=16)

@@ -3,6 +3,7 @@ the collective commit's failure rules, resharding resume to other world sizes an
 node-local roots, and whole-job SIGKILLs. Models are tiny: these tests are about bytes and protocol."""
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import time
@@ -15,6 +16,7 @@ import torch.utils._pytree as pytree
 from ckptstore import Store
 from dist import Job, run
 from helpers import data_files, rewrite_frame, step_dir
+from test_cli import cli
 
 
 def full(path: Path):
@@ -164,6 +166,8 @@ def test_a_stalled_rank_makes_the_others_raise_after_the_timeout_naming_it(tmp_p
 def test_rank_local_values_on_a_world_size_change(tmp_path):
     store = str(tmp_path / "store")
     run(2, "--mode", "save", "--store", store, "--steps", "2", "--progress", "1", "--full", str(tmp_path / "w.pt"))
+    shown = json.loads(cli("show", store, "--json").stdout)     # the shard map names them, from the save
+    assert shown["shard_map"]["rank_local"] == ["progress/rank"] and shown["shard_map"]["bytes"] > 0
     res = run(1, "--mode", "load", "--store", store, "--progress", "1")
     err = res[0]
     assert err["result"] == "error" and err["type"] == "IncompatibleCheckpointError"
@@ -245,7 +249,6 @@ def test_fsdp2_job_sigkilled_resumes_bit_for_bit(tmp_path, blocking):
 def test_two_nodes_upload_their_parts_and_the_remote_step_needs_all_of_them(tmp_path, s3_bucket_url):
     """Ranks 0-1 and 2-3 have their own local roots (two "nodes") and one loopback S3 remote. Each node
     uploads its own ranks' parts; rank 0 commits the remote step only once all four parts are there."""
-    import json
     import shutil
     import fsspec
     roots, url = str(tmp_path / "node{node}"), s3_bucket_url.url
