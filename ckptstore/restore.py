@@ -143,11 +143,12 @@ class StepLoader:
         return m
 
     def shard_map(self):
-        """The step's :class:`~ckptstore.shardmap.ShardMap` when the world size changed and the commit names
-        one; ``None`` otherwise, or when it cannot be read (logged: every manifest is read instead)."""
+        """The step's :class:`~ckptstore.shardmap.ShardMap` (read on first use: a changed world size or mesh)
+        when the commit names one; ``None`` otherwise, or when it cannot be read (logged: every manifest is
+        read instead)."""
         if self._map is False:
             self._map = None
-            if not self.same_world and self.commit.shards is not None:
+            if self.commit.shards is not None:
                 try:
                     self._map = self.catalog.read_shard_map(self.commit)
                 except CorruptCheckpointError as e:
