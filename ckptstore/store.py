@@ -403,7 +403,8 @@ class Store:
         """The newest committed step of this run: local, or on the remote this store uploads to (with
         ``keep_local`` the local root may hold fewer; before the uploader has listed the remote, it is listed
         here once, see :meth:`~ckptstore.upload.Uploader.newest_remote`)."""
-        remote = self._uploader.newest_remote() if self._uploader is not None else None
+        uploader = self._uploader        # rank 0's: a node's parts uploader never lists the bucket here
+        remote = uploader.newest_remote() if uploader is not None and not uploader.parts_only else None
         return newest_of(self.catalog.committed_steps(), remote)
 
     def _check_rewind(self, step: int) -> None:
