@@ -7,8 +7,8 @@ Without it, a rank that reshards must read every saved rank's manifest to find t
 this map, rank 0's manifest (plain values) and the manifests of the ranks whose shards overlap its targets.
 
 Who writes it, and when (FORMAT.md "Shard map"): each rank adds a small *entry* to its part of the commit's one
-gather (:func:`local_entry`: per sharded key an 8-byte key hash and the saved box; per plain value an 8-byte key
-hash and an 8-byte signature hash), so the number of collectives per save stays constant. Rank 0 builds the map
+gather (:func:`local_entry`: per sharded key an 8-byte key hash and the saved box; per plain value, by position,
+an 8-byte signature hash), so the number of collectives per save stays constant. Rank 0 builds the map
 (:func:`build`), writes it as ``steps/<step>/shards[.g<gen>].msgpack`` before the commit marker, and records
 its digest, size and generation in the marker (leaders of other roots get its bytes through the coordinator
 and write it too). Keys are named by hash, not by path: the map stays small, and it only *selects* manifests:
@@ -24,6 +24,7 @@ import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import msgpack
+import numpy as np
 
 from .manifest import ARRAY_KINDS, CONTAINER_KINDS, Manifest, frame, unframe
 from .sharding import SavedShard, ShardIndex
@@ -66,39 +67,60 @@ def top_most(paths: Sequence[KeyPath]) -> List[KeyPath]:
     return top
 
 
+def _plain_signatures(m: Manifest) -> Tuple[List[KeyPath], bytes]:
+    """The paths of ``m``'s plain values in manifest order, and 8 bytes per value hashing what
+    :func:`signatures` compares (so both ways of finding rank-local values agree)."""
+    paths, out = [], []
+    for n in m.nodes:
+        if not n.path or n.kind == "dtensor":
+            continue
+        h = hashlib.blake2b(digest_size=8)
+        if n.kind in ARRAY_KINDS:
+            e = n.payload
+            h.update(f"{n.kind}|{e.dtype}|{tuple(e.shape)}|".encode())
+            for c in e.chunks:
+                h.update(c.blob_id.encode())
+        elif n.kind in CONTAINER_KINDS:
+            h.update(repr((n.kind, n.payload if n.kind != "dict" else None)).encode())
+        else:
+            h.update(repr((n.kind, repr(n.payload))).encode())
+        paths.append(n.path)
+        out.append(h.digest())
+    return paths, b"".join(out)
+
+
+def _order(paths: List[KeyPath]) -> bytes:
+    return hashlib.blake2b(msgpack.packb([list(p) for p in paths], use_bin_type=True), digest_size=8).digest()
+
+
 def local_entry(m: Manifest) -> Dict[str, Any]:
     """This rank's contribution to the map, sent in the commit's gather: ``boxes`` ``[[key hash, offset,
-    shape], ...]`` of its sharded values and ``plain``: concatenated (key hash, signature hash) pairs, 16
-    bytes per plain value."""
+    shape], ...]`` of its sharded values; ``order``: 8 bytes hashing the paths of its plain values, in manifest
+    order; ``plain``: 8 bytes per plain value, in that order, hashing its signature (measured: 64 KiB and
+    23 ms for 4000 plain tensors with a key hash per value; by position, 32 KiB and 7 ms)."""
     boxes = [[key_hash(n.path), list(n.payload.shard.offset), list(n.payload.shape)]
              for n in m.nodes if n.kind == "dtensor"]
-    plain = b"".join(key_hash(p) + hashlib.blake2b(repr(sig).encode(), digest_size=8).digest()
-                     for p, sig in signatures(m).items())
-    return {"boxes": boxes, "plain": plain}
-
-
-def _pairs(plain: bytes) -> Dict[bytes, bytes]:
-    if not isinstance(plain, bytes) or len(plain) % 16:
-        raise ValueError("bad plain signatures")
-    return {plain[i:i + 8]: plain[i + 8:i + 16] for i in range(0, len(plain), 16)}
+    paths, plain = _plain_signatures(m)
+    return {"boxes": boxes, "order": _order(paths), "plain": plain}
 
 
 def build(step: int, entries: Sequence[Dict[str, Any]], rank0: Manifest) -> bytes:
     """The map's bytes from every rank's :func:`local_entry` (index = rank) and rank 0's manifest (which names
-    the rank-local paths). ``rank_local`` is ``None`` ("unknown": readers compare the manifests) when the
-    ranks' plain keys differ in a way rank 0's paths cannot name."""
+    the rank-local paths). ``rank_local`` is ``None`` ("unknown": readers compare the manifests) when some
+    rank's plain values are not the same paths in the same order as rank 0's (rank 0 could not name them)."""
     boxes: Dict[bytes, List[list]] = {}
     for r, e in enumerate(entries):
         for h, off, shape in e["boxes"]:
             boxes.setdefault(h, []).append([r, off, shape])
-    names = {key_hash(p): p for p in signatures(rank0)}
-    sigs = [_pairs(e["plain"]) for e in entries]
-    rank_local: Optional[List[list]]
-    if any(set(s) - set(names) for s in sigs):
-        rank_local = None
-    else:
-        differ = [names[h] for h in names if len({s.get(h) for s in sigs}) > 1]
-        rank_local = [list(p) for p in top_most(differ)]
+    paths, own = _plain_signatures(rank0)
+    order = _order(paths)
+    rank_local: Optional[List[list]] = None
+    if all(e.get("order") == order and len(e.get("plain", b"")) == len(own) for e in entries):
+        base = np.frombuffer(own, dtype=np.uint64)
+        differ = np.zeros(len(base), dtype=bool)
+        for e in entries:
+            differ |= np.frombuffer(e["plain"], dtype=np.uint64) != base
+        rank_local = [list(p) for p in top_most([paths[i] for i in np.flatnonzero(differ)])]
     return frame("shards", {"step": step, "world_size": len(entries), "boxes": list(boxes.items()),
                             "rank_local": rank_local})
 
