@@ -40,7 +40,8 @@ from .snapshot import ArraySpec, StagingPool, VersionCache, direct_view, spec_of
 from .state import Node, flatten, gc_paused, is_stateful, path_str, unflatten
 from .storage import Storage, is_local, open_storage
 from .threads import background_pool
-from .transfer import StepCopier
+from . import transfer
+from .transfer import StepCopier, TransferStats
 from .upload import Uploader, apply_remote_retention
 from .writer import write_arrays
 
@@ -206,6 +207,7 @@ class Store:
         self.storage: Storage = open_storage(root, storage_options, direct_io=direct_io)
         self.root = self.storage.url
         self._decoded = ManifestCache()          # manifests decoded by this store's catalogs (a pull, then a read)
+        self.pulled: List[TransferStats] = []    # what each pull into this root did, oldest first
         self.catalog = Catalog(self.storage, self._decoded)
         self.blobs = BlobStore(self.storage)
         self.config = normalize(config)
@@ -1057,15 +1059,19 @@ class Store:
     def _pull(self, step: int, ranks: Optional[List[int]] = None) -> None:
         """Copy a committed remote step (``ranks``' parts only, if given) into the local root (blobs
         verified), then mark it committed here."""
-        copier = StepCopier(self.remote_storage, self.storage, retry=self._upload_retry, decoded=self._decoded)
+        copier = StepCopier(self.remote_storage, self.storage, retry=self._upload_retry, decoded=self._decoded,
+                            ranged=transfer.RANGED_PULL_THRESHOLD, pack_target=self.packing.target_size)
         try:
             with self._maint:
                 stats = copier.copy_step(step, ranks=ranks)
                 self._point_to_if_newest(step)
         finally:
             copier.close()
-        log.info("pulled step %d from %s: %d blobs, %d bytes in %.2f s", step, self.remote_storage.url,
-                 stats.blobs_copied, stats.bytes_copied, stats.seconds)
+        log.info("pulled step %d from %s: %d objects, %d bytes written, %d bytes fetched (%d pack(s) whole, "
+                 "%d by %d range(s)) in %.2f s", step, self.remote_storage.url, stats.blobs_copied,
+                 stats.bytes_copied, stats.bytes_fetched, stats.packs_whole, stats.packs_ranged,
+                 stats.ranges_fetched, stats.seconds)
+        self.pulled.append(stats)
 
     # -- maintenance --------------------------------------------------------------------------------------
     def gc(self, *, grace_seconds: float = 3600.0, dry_run: bool = False, force: bool = False,
