@@ -1041,7 +1041,9 @@ class Store:
 
     def pull(self, step: Optional[int] = None) -> int:
         """Copy a committed step of ``remote`` (default: its newest committed step) into the local root,
-        verifying every blob. Returns the step. Raises ``FileNotFoundError`` if the remote has none."""
+        verifying every blob. A pack the step reads little of is pulled by range into new local packs (see
+        FORMAT.md "Ranged pulls"); ``pulled`` records what each pull fetched. Returns the step. Raises
+        ``FileNotFoundError`` if the remote has none."""
         self._check_open()
         if self.remote_storage is None:
             raise CheckpointError("pull needs Store(..., remote=URL)")

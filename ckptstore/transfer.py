@@ -13,10 +13,10 @@ Used by the uploader (local -> remote) and by pull / resume (remote -> local).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
-import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
@@ -39,10 +39,10 @@ STREAM_THRESHOLD = 16 << 20      # blobs above this are uploaded from their file
 _HASH_PIECE = 8 << 20
 #: A pull copies a pack whole when its ranged reads (the step's distinct ranges in it, coalesced across holes
 #: of up to the source's ``coalesce_gap`` as every ranged read is) would fetch at least this fraction of its
-#: size; below it, the pack is read by range. 0.5: ranges fetch R < S/2 bytes of a pack of S instead of S, and the next
-#: upload from the pulled root sends at most those R bytes once more (the new local pack is not on the
-#: remote), so R + R < S: below one half, a ranged pull never moves more bytes than a whole pack would,
-#: counting both directions, and it reads at most half of them on the restart's critical path.
+#: size; below it, the pack is read by range. 0.5: ranges fetch R < S/2 bytes of a pack of S instead of S,
+#: and the next upload from the pulled root sends at most those R bytes once more (the new local pack is not
+#: on the remote), so R + R < S: below one half, a ranged pull never moves more bytes than a whole pack
+#: would, counting both directions, and it reads at most half of them on the restart's critical path.
 RANGED_PULL_THRESHOLD = 0.5
 
 
@@ -102,9 +102,9 @@ class StepCopier:
     before it is read); a pass redone after transient errors starts again from 0.
 
     ``ranged``: a ranged pull (only into a destination with a local path; the uploader leaves it ``None`` and
-    copies whole packs): a pack of which the step references less than this fraction (see
-    ``RANGED_PULL_THRESHOLD``) is read by range and its referenced chunks are written into new local packs of
-    at most ``pack_target`` bytes; the pulled manifests and the local commit marker then name those packs.
+    copies whole packs): a pack of which the step's ranged reads would fetch less than this fraction of its
+    size (see ``RANGED_PULL_THRESHOLD``) is read by range and its referenced chunks are written into new local
+    packs of at most ``pack_target`` bytes; the pulled manifests and the local commit marker then name them.
     """
 
     def __init__(self, src, dst, *, workers: int = 8, retry: Optional[RetryPolicy] = None,
@@ -403,7 +403,8 @@ class StepCopier:
         futures = {p: self._pool.submit(judge, p) for p in sorted(packs)}
         return {p for p, f in futures.items() if f.result()}
 
-    def _copy_ranged(self, step: int, ranged: Set[str], ranges, stats: TransferStats, done) -> Dict[str, ChunkRef]:
+    def _copy_ranged(self, step: int, ranged: Set[str], ranges, stats: TransferStats,
+                     done) -> Dict[str, ChunkRef]:
         """Read the referenced chunks of the ``ranged`` packs (coalesced ranged reads, each chunk verified
         against its id) and write them into new local packs, in batches of at most ``pack_target`` referenced
         bytes (memory stays bounded). Returns chunk id -> its new reference. ``done(pack)``: progress."""

@@ -6,7 +6,8 @@ for parameters without gradients). With ``Packing(target_size=960 KiB)`` every s
 ``[w][m]``, so once layers freeze, the newest step reads 64 KiB of each of those 960 KiB packs.
 """
 import shutil
-from pathlib import Path
+import subprocess
+import sys
 
 import fsspec
 import pytest
@@ -208,3 +209,52 @@ def test_repair_of_a_damaged_local_step_pulls_by_range(tmp_path, target):
     s, state, step = resume(root, target, upload=False)
     with s:
         assert step == LAST and s.resumed_from["tier"] == "local" and same(state, state_at(LAST))
+
+
+def test_cli_pull_is_ranged_and_verifies(tmp_path):
+    target = (str(tmp_path / "remote"), {})
+    run(tmp_path / "run", target)
+    dest = tmp_path / "dest"
+    p = subprocess.run([sys.executable, "-m", "ckptstore.cli", "pull", target[0], "--to", str(dest)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"pulled step {LAST}" in p.stdout and f"({LAYERS} pack(s) by {LAYERS} range(s))" in p.stdout
+    assert f"step {LAST}: verified" in p.stdout
+    assert sum(packs_on_disk(dest).values()) == LAYERS * W * 4 + 16 * KiB
+    with Store(dest) as s:
+        assert same(s.load(LAST), state_at(LAST))
+
+
+KILL_AT_COMMIT = """
+import os, signal, sys
+from ckptstore.storage.local import LocalStorage
+real = LocalStorage.write_atomic
+def write_atomic(self, path, data):
+    if path.endswith("COMMIT"):
+        os.kill(os.getpid(), signal.SIGKILL)          # packs and manifests are in place, the marker is not
+    return real(self, path, data)
+LocalStorage.write_atomic = write_atomic
+from ckptstore.cli import main
+sys.argv[0] = "ckptstore"
+main()
+"""
+
+
+def test_sigkill_before_the_commit_of_a_ranged_pull_leaves_nothing_committed(tmp_path):
+    target = (str(tmp_path / "remote"), {})
+    run(tmp_path / "run", target)
+    dest = tmp_path / "dest"
+    p = subprocess.run([sys.executable, "-c", KILL_AT_COMMIT, "pull", target[0], "--to", str(dest)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == -9
+    leftovers = packs_on_disk(dest)
+    assert leftovers and not (dest / "steps" / f"{LAST:012d}" / "COMMIT").exists()
+    with Store(dest) as s:
+        assert s.steps() == []
+    p = subprocess.run([sys.executable, "-m", "ckptstore.cli", "pull", target[0], "--to", str(dest)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and f"step {LAST}: verified" in p.stdout, p.stdout + p.stderr
+    assert packs_on_disk(dest) == leftovers                        # the same new packs, written once
+    with Store(dest) as s:
+        s.gc(grace_seconds=0)
+        assert s.verify() == {LAST: None} and same(s.load(LAST), state_at(LAST))
