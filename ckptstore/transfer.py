@@ -444,8 +444,11 @@ class StepCopier:
         for rank, data, m in manifests:
             if any(c.pack in ranged for c in m.chunk_refs()):
                 gen = max(commit.manifests[rank][2], local_gens.get(rank, -1)) + 1
-                data = encode_manifest(repoint(m, ranged, new))
+                local = repoint(m, ranged, new)
+                data = encode_manifest(local)
                 entries[rank] = (bytes.fromhex(digest_bytes(data)), len(data), gen)
+                if self.dst_catalog.decoded is not None:     # the restore that follows need not decode it
+                    self.dst_catalog.decoded.put((entries[rank][0], len(data), step, rank), len(data), local)
             writes.append((manifest_path(step, rank, entries[rank][2]), data))
         return writes, encode_commit(dataclasses.replace(commit, manifests=entries))
 
