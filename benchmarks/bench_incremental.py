@@ -8,6 +8,13 @@ track_versions on / off, and the same with nothing frozen. Per step: bytes total
 unchanged, written/total, save seconds, stall. Every saved step is loaded back and compared
 (CRC32 of every tensor, bit for bit) with the state at save time.
 
+Section 3 (--sections pull): remote resume of the newest step after --steps fine-tune steps (the frozen run)
+uploaded to a moto S3 server on 127.0.0.1 with keep_last=2 there: the newest step reads the frozen tensors
+from the packs of step 1, most of which retention has made dead. Ranged pull (ckptstore.transfer's
+RANGED_PULL_THRESHOLD = 0.5, the default) against whole-pack pull (threshold 0), alternating, same run: bytes
+fetched from S3, ranged GETs, packs whole / by range, resume seconds, local pack bytes on disk; every resume
+is compared (CRC32 of every tensor) with the state at the last save.
+
 Section 2 (GPU only; prints "skipped: no CUDA" otherwise): model + AdamW state on the GPU. Stall
 and wall time of the save call for Store.save(blocking=False), Store.save(blocking=True) and
 torch.save of the state moved to CPU, the time of the training steps right after the save, and
@@ -16,6 +23,7 @@ a non-blocking save ends bit-identical to the same training without a save.
 
     python benchmarks/bench_incremental.py --size small --steps 3     # quick, ~1 min on 2 cores
     python benchmarks/bench_incremental.py --sections gpu --size 3gb --json inc_gpu.json
+    python benchmarks/bench_incremental.py --sections pull --size small --steps 6 --pull-repeat 3   # ~1-2 min
 
 See benchmarks/README.md ("bench_incremental.py").
 """
@@ -624,13 +632,99 @@ def section_gpu(args: argparse.Namespace, base: Path) -> dict[str, Any]:
     return res
 
 
+# --------------------------------------------------------------------------- section 3: ranged pulls
+
+
+def remote_step_objects(storage, step: int) -> tuple[int, int]:
+    """(bytes of the packs the step reads, bytes of its own blobs) on the remote."""
+    from ckptstore.catalog import Catalog
+    from ckptstore.layout import pack_path
+    cat = Catalog(storage)
+    commit = cat.read_commit(step)
+    packs, blobs = set(), {}
+    for rank in commit.manifests:
+        m = cat.read_manifest(commit, rank)
+        packs |= m.pack_ids()
+        blobs.update({c.blob_id: c.nbytes for c in m.chunk_refs() if c.pack is None})
+    return sum(storage.size(pack_path(p)) for p in packs), sum(blobs.values())
+
+
+def section_pull(args: argparse.Namespace, base: Path) -> dict[str, Any]:
+    import ckptstore.transfer as transfer
+    from backends.launcher import S3Server
+    from ckptstore import Packing
+    device = torch.device("cpu")
+    threshold = int(args.pull_pack_threshold * C.MiB)
+    packing = Packing(threshold=threshold, target_size=max(threshold, Packing().target_size))
+    print(f"== section 3: remote resume after {args.steps} fine-tune steps (frozen run, size {args.size}), "
+          f"keep_last=2 on moto S3, chunks under {args.pull_pack_threshold:g} MiB packed; ranged vs whole-pack "
+          f"pull, {args.pull_repeat} each, alternating")
+    run_dir = C.fresh_dir(base, "pull_")
+    server = S3Server(workdir=run_dir / "moto").start()
+    out: dict[str, Any] = {"rows": []}
+    try:
+        opts = server.storage_options()
+        remote = f"{server.new_bucket_url('pull')}/ckpt"
+        model, opt = build_training(args.size, True, device, args.seed)
+        with Store(str(run_dir / "train"), remote=remote, storage_options=opts, keep_last=2,
+                   packing=packing) as store:
+            for step in range(1, args.steps + 1):
+                train_step(model, opt, step, args.batch, args.seq, device)
+                store.save({"model": model, "optimizer": opt}, step)
+            store.wait_for_uploads()
+            packs_bytes, blobs_bytes = remote_step_objects(store.remote_storage, args.steps)
+            out.update(step_bytes=store.catalog.read_commit(args.steps).bytes_total)
+        want = crc_map(live_tree(model, opt))
+        out.update(referenced_pack_bytes=packs_bytes, blob_bytes=blobs_bytes)
+        print(f"   newest step {args.steps}: {mib(out['step_bytes'])} MiB of state; it reads "
+              f"{mib(packs_bytes)} MiB of packs and {mib(blobs_bytes)} MiB of blobs on the remote")
+        default = transfer.RANGED_PULL_THRESHOLD
+        try:
+            for i in range(args.pull_repeat):
+                for mode in (("ranged", "whole") if i % 2 == 0 else ("whole", "ranged")):
+                    transfer.RANGED_PULL_THRESHOLD = default if mode == "ranged" else 0.0
+                    root = C.fresh_dir(run_dir, "resume_")
+                    m2, o2 = build_training(args.size, True, device, args.seed + 1)
+                    gc.collect()
+                    t0 = time.perf_counter()
+                    with Store(str(root), remote=remote, storage_options=opts, upload=False,
+                               packing=packing) as s:
+                        got = s.resume({"model": m2, "optimizer": o2})
+                        resume_s = time.perf_counter() - t0
+                        st = s.pulled[-1]
+                    packs_disk = sum(f.stat().st_size for f in (root / "packs").rglob("*.pack"))
+                    ok = got == args.steps and crc_map(live_tree(m2, o2)) == want
+                    out["rows"].append(dict(mode=mode, resume_s=resume_s, pull_s=st.seconds,
+                                            bytes_fetched=st.bytes_fetched, ranges=st.ranges_fetched,
+                                            packs_whole=st.packs_whole, packs_ranged=st.packs_ranged,
+                                            local_pack_bytes=packs_disk, ok=ok))
+                    C.rmtree(root)
+        finally:
+            transfer.RANGED_PULL_THRESHOLD = default
+    finally:
+        server.stop()
+        if not args.keep:
+            C.rmtree(run_dir)
+    rows = []
+    for mode in ("ranged", "whole"):
+        rs = [r for r in out["rows"] if r["mode"] == mode]
+        rows.append([mode, sec(statistics.median(r["resume_s"] for r in rs)),
+                     sec(statistics.median(r["pull_s"] for r in rs)), mib(rs[0]["bytes_fetched"]),
+                     rs[0]["ranges"], f"{rs[0]['packs_whole']}/{rs[0]['packs_ranged']}",
+                     mib(rs[0]["local_pack_bytes"]), "ok" if all(r["ok"] for r in rs) else "WRONG"])
+    print()
+    print(table(["pull", "resume s (median)", "pull s", "fetched MiB", "ranged GETs", "packs whole/ranged",
+                 "local packs MiB", "verify"], rows))
+    return out
+
+
 # --------------------------------------------------------------------------- main
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=list(C.SIZES), default="small")
-    ap.add_argument("--sections", default="finetune,gpu", help="finetune,gpu")
+    ap.add_argument("--sections", default="finetune,gpu", help="finetune,gpu,pull")
     ap.add_argument("--steps", type=int, default=5, help="training steps = saves per run (section 1)")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"section 1 runs, from {','.join(RUNS)}")
     ap.add_argument("--batch", type=int, default=4, help="section 1 batch size")
@@ -645,6 +739,10 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the stores")
     ap.add_argument("--no-verify", dest="verify", action="store_false", help="skip the load-back check")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pull-repeat", type=int, default=3, help="section 3: resumes per pull mode")
+    ap.add_argument("--pull-pack-threshold", type=float, default=4.0,
+                    help="section 3: Packing.threshold in MiB (default 4, the Store's; 17 packs every tensor "
+                         "of --size small)")
     ap.add_argument("--json", help="write all figures to this file")
     args = ap.parse_args()
     if args.steps < 1 or args.seq > C.CONTEXT or args.gpu_seq > C.CONTEXT:
@@ -664,6 +762,8 @@ def main() -> None:
         print()
     if "gpu" in sections:
         report["gpu"] = section_gpu(args, base)
+    if "pull" in sections:
+        report["pull"] = section_pull(args, base)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
         print(f"\nwrote {args.json}")

@@ -541,7 +541,7 @@ def pull_cmd(url, root, to, step, metric, mode, progress, check, storage_options
     from .pointers import read_latest, write_latest
     from .storage import open_storage
     from .store import Store
-    from .transfer import StepCopier
+    from .transfer import RANGED_PULL_THRESHOLD, StepCopier
     if root is not None and to is not None and root != to:
         raise click.UsageError(f"destination given twice: {root} and --to {to}")
     dest = to or root
@@ -558,7 +558,8 @@ def pull_cmd(url, root, to, step, metric, mode, progress, check, storage_options
             def report(done, total):
                 if bar is not None:
                     bar.update(task, completed=done, total=total)
-            copier = StepCopier(src, store.storage, progress=report if bar is not None else None)
+            copier = StepCopier(src, store.storage, progress=report if bar is not None else None,
+                                ranged=RANGED_PULL_THRESHOLD, pack_target=store.packing.target_size)
             try:
                 if bar is not None:
                     bar.start()
@@ -575,7 +576,10 @@ def pull_cmd(url, root, to, step, metric, mode, progress, check, storage_options
     finally:
         src.close()
     console.print(_t(f"pulled step {step} from {src.url} into {dest}: {stats.blobs_copied} of "
-                     f"{stats.blobs_total} object(s) copied, {_human(stats.bytes_copied)} in {stats.seconds:.1f} s"),
+                     f"{stats.blobs_total} object(s) copied, {_human(stats.bytes_copied)} in {stats.seconds:.1f} s; "
+                     f"fetched {_human(stats.bytes_fetched)}"
+                     + (f" ({stats.packs_ranged} pack(s) by {stats.ranges_fetched} range(s))" if stats.packs_ranged
+                        else "")),
                   soft_wrap=True)
     if check:
         if result is not None:

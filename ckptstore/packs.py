@@ -36,6 +36,7 @@ from .layout import pack_path
 from .manifest import ChunkRef
 
 PAGE = 4096
+MAX_SPAN = 16 << 20      # a coalesced ranged read is at most this long (or one chunk)
 
 
 @dataclass(frozen=True)
@@ -290,7 +291,7 @@ def _read_span_staged(storage, path: str, offset: int, length: int, items: List[
 
 
 def read_chunks(storage, items: Sequence[ReadItem], *, executor: Executor, gap: int = 1 << 20,
-                max_span: int = 16 << 20) -> list:
+                max_span: int = MAX_SPAN) -> list:
     """Submit the reads of packed chunks to ``executor``: ranged reads (``pread`` locally, ranged GET remotely)
     of coalesced spans, each chunk decoded into its ``out`` buffer and verified against its id.
 

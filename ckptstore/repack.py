@@ -95,33 +95,58 @@ def repack_packs(storage, catalog, committed: List[int], *, threshold: float = D
             buffers.clear()
 
 
+def copy_chunks(src, dst, refs, *, executor, buffers: PackBuffers, target_size: int,
+                step: Optional[int] = None) -> Dict[str, ChunkRef]:
+    """Read the packed chunks ``refs`` from ``src`` (coalesced ranged reads, each chunk verified against its
+    id), write them in order into new content-named packs on ``dst`` (create-only; at most ``target_size``
+    bytes each, as a save plans them) and make those durable. Returns chunk id -> its new reference.
+
+    One buffer per distinct chunk: the caller bounds ``refs`` (repack and a ranged pull batch them by
+    ``target_size``). Chunks keep zstd when any of them was zstd (re-encoded, kept only where it saves >= 3%,
+    as a save does), so ``stored`` comes from the new pack. Raises ``CorruptCheckpointError`` naming ``step``
+    and the chunk for an unreadable or damaged chunk, before anything is written; ``OSError`` from ``dst``.
+    Shared by repack (``src is dst``) and a ranged pull (remote -> local, see :mod:`ckptstore.transfer`)."""
+    chunks: Dict[str, ChunkRef] = {}
+    for ref in sorted(refs, key=lambda r: (r.pack, r.offset)):      # a deterministic order: same packs again
+        chunks.setdefault(ref.blob_id, ref)
+    items = [ReadItem(ref, memoryview(bytearray(ref.nbytes)), step=step) for ref in chunks.values()]
+    for f in read_chunks(src, items, executor=executor, gap=src.coalesce_gap):
+        f.result()
+    codec = "zstd" if any(it.ref.codec == "zstd" for it in items) else "raw"
+    groups = plan_packs([it.ref.nbytes for it in items], target_size)
+    futures = [executor.submit(write_pack, dst, [(items[i].ref.blob_id, items[i].out) for i in g], codec=codec,
+                               level=1, buffers=buffers) for g in groups]
+    new: Dict[str, ChunkRef] = {}
+    for f in futures:
+        for r in f.result()[0]:
+            new[r.blob_id] = r
+    dst.sync({pack_path(r.pack).rsplit("/", 1)[0] for r in new.values()})
+    return new
+
+
+def repoint(m: Manifest, old: Set[str], new: Dict[str, ChunkRef]) -> Manifest:
+    """``m`` with every chunk that lives in a pack of ``old`` pointing at its new reference in ``new`` (by
+    chunk id); everything else unchanged."""
+    nodes = []
+    for n in m.nodes:
+        if n.kind in ARRAY_KINDS:
+            e = n.payload
+            chunks = [new[c.blob_id] if c.pack in old else c for c in e.chunks]
+            n = ManifestNode(n.path, n.kind, dataclasses.replace(e, chunks=chunks))
+        nodes.append(n)
+    return Manifest(step=m.step, rank=m.rank, world_size=m.world_size, stateful=m.stateful, nodes=nodes)
+
+
 def _repack_batch(storage, catalog, batch: List[str], ranges, steps_of, report, buffers, pool,
                   target_size: int) -> None:
-    # 1. the live chunks, read and verified (one buffer per distinct chunk)
-    chunks: Dict[str, ChunkRef] = {}
-    for pack in batch:
-        for ref in ranges[pack].values():
-            chunks.setdefault(ref.blob_id, ref)
-    items = [ReadItem(ref, memoryview(bytearray(ref.nbytes))) for ref in chunks.values()]
+    # 1. the live chunks, read, verified and written into new packs (made durable)
+    refs = [ref for pack in batch for ref in ranges[pack].values()]
     try:
-        for f in read_chunks(storage, items, executor=pool, gap=storage.coalesce_gap):
-            f.result()
+        new = copy_chunks(storage, storage, refs, executor=pool, buffers=buffers, target_size=target_size)
     except CheckpointError as e:
         log.warning("repack: packs %s left as they are: a live chunk is unreadable (%s)", batch, e)
         return
-    order = [it for it in items]
-    codec = "zstd" if any(it.ref.codec == "zstd" for it in order) else "raw"
-    new: Dict[str, ChunkRef] = {}
-    groups = plan_packs([it.ref.nbytes for it in order], target_size)
-    futures = [pool.submit(write_pack, storage, [(order[i].ref.blob_id, order[i].out) for i in g], codec=codec,
-                           level=1, buffers=buffers) for g in groups]
-    written = set()
-    for f in futures:
-        refs, _ = f.result()
-        for r in refs:
-            new[r.blob_id] = r
-            written.add(r.pack)
-    storage.sync({pack_path(p).rsplit("/", 1)[0] for p in written})
+    written = {r.pack for r in new.values()}
     if set(batch) & written:                       # rewriting a pack into itself gains nothing
         log.info("repack: %s rewrite to themselves; left as they are", sorted(set(batch) & written))
         return
@@ -135,8 +160,8 @@ def _repack_batch(storage, catalog, batch: List[str], ranges, steps_of, report, 
         report.steps_rewritten.append(step)
     report.packs_repacked += len(batch)
     report.packs_written += len(written)
-    report.bytes_repacked += sum(it.ref.stored for it in order)
-    log.info("repack: %d pack(s) -> %d, %d live chunk(s), steps %s", len(batch), len(written), len(order),
+    report.bytes_repacked += sum({r.blob_id: r.stored for r in refs}.values())
+    log.info("repack: %d pack(s) -> %d, %d live chunk(s), steps %s", len(batch), len(written), len(new),
              sorted(set().union(*(steps_of[p] for p in batch))))
 
 
@@ -148,16 +173,7 @@ def _rewrite_step(catalog, step: int, old: Set[str], new: Dict[str, ChunkRef]) -
         m = catalog.read_manifest(commit, rank)
         if not any(c.pack in old for c in m.chunk_refs()):
             continue
-        nodes = []
-        for n in m.nodes:
-            if n.kind in ARRAY_KINDS:
-                e = n.payload
-                chunks = [new[c.blob_id] if c.pack in old else c for c in e.chunks]
-                n = ManifestNode(n.path, n.kind, dataclasses.replace(e, chunks=chunks))
-            nodes.append(n)
-        gen = commit.manifests[rank][2] + 1
-        entries[rank] = catalog.write_manifest(Manifest(step=m.step, rank=m.rank, world_size=m.world_size,
-                                                        stateful=m.stateful, nodes=nodes), gen)
+        entries[rank] = catalog.write_manifest(repoint(m, old, new), commit.manifests[rank][2] + 1)
         changed = True
     if changed:
         catalog.write_commit(dataclasses.replace(commit, manifests=entries))

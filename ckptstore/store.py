@@ -43,7 +43,8 @@ from .snapshot import ArraySpec, StagingPool, VersionCache, direct_view, spec_of
 from .state import Node, flatten, gc_paused, path_str
 from .storage import Storage, is_local, open_storage
 from .threads import background_pool
-from .transfer import StepCopier
+from . import transfer
+from .transfer import StepCopier, TransferStats
 from .upload import Uploader, apply_remote_retention
 from .writer import write_arrays
 
@@ -208,6 +209,7 @@ class Store:
         self.storage: Storage = open_storage(root, storage_options, direct_io=direct_io)
         self.root = self.storage.url
         self._decoded = ManifestCache()          # manifests decoded by this store's catalogs (a pull, then a read)
+        self.pulled: List[TransferStats] = []    # what each pull into this root did, oldest first
         self.catalog = Catalog(self.storage, self._decoded)
         self.blobs = BlobStore(self.storage)
         self.config = normalize(config)
@@ -975,7 +977,9 @@ class Store:
 
     def pull(self, step: Optional[int] = None) -> int:
         """Copy a committed step of ``remote`` (default: its newest committed step) into the local root,
-        verifying every blob. Returns the step. Raises ``FileNotFoundError`` if the remote has none."""
+        verifying every blob. A pack the step reads little of is pulled by range into new local packs (see
+        FORMAT.md "Ranged pulls"); ``pulled`` records what each pull fetched. Returns the step. Raises
+        ``FileNotFoundError`` if the remote has none."""
         self._check_open()
         if self.remote_storage is None:
             raise CheckpointError("pull needs Store(..., remote=URL)")
@@ -993,15 +997,19 @@ class Store:
     def _pull(self, step: int, ranks: Optional[List[int]] = None) -> None:
         """Copy a committed remote step (``ranks``' parts only, if given) into the local root (blobs
         verified), then mark it committed here."""
-        copier = StepCopier(self.remote_storage, self.storage, retry=self._upload_retry, decoded=self._decoded)
+        copier = StepCopier(self.remote_storage, self.storage, retry=self._upload_retry, decoded=self._decoded,
+                            ranged=transfer.RANGED_PULL_THRESHOLD, pack_target=self.packing.target_size)
         try:
             with self._maint:
                 stats = copier.copy_step(step, ranks=ranks)
                 self._point_to_if_newest(step)
         finally:
             copier.close()
-        log.info("pulled step %d from %s: %d blobs, %d bytes in %.2f s", step, self.remote_storage.url,
-                 stats.blobs_copied, stats.bytes_copied, stats.seconds)
+        log.info("pulled step %d from %s: %d objects, %d bytes written, %d bytes fetched (%d pack(s) whole, "
+                 "%d by %d range(s)) in %.2f s", step, self.remote_storage.url, stats.blobs_copied,
+                 stats.bytes_copied, stats.bytes_fetched, stats.packs_whole, stats.packs_ranged,
+                 stats.ranges_fetched, stats.seconds)
+        self.pulled.append(stats)
 
     # -- maintenance --------------------------------------------------------------------------------------
     def gc(self, *, grace_seconds: float = 3600.0, dry_run: bool = False, force: bool = False,

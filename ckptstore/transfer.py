@@ -5,11 +5,15 @@ The destination never shows a committed step with a missing blob or pack: the co
 after every object and manifest it depends on is in place. Every byte is verified on the way: blobs and packs
 against their BLAKE3 id (a pack's id is the digest of the whole file, so a pack is checked as one object),
 manifests against the digests in the commit marker. Packs move as whole objects (multipart from their file when
-large). The latest pointer is the caller's business.
+large), except in a *ranged pull* (``StepCopier(ranged=...)``, remote -> local only): a pack the step
+references only a small part of is read by range, its referenced chunks (each verified against its id) are
+written into new local packs, and the pulled manifests and the local commit marker are rewritten to name them
+(see FORMAT.md "Ranged pulls"). The latest pointer is the caller's business.
 Used by the uploader (local -> remote) and by pull / resume (remote -> local).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -20,26 +24,64 @@ import zstandard
 
 from .blobs import decompress, digest_bytes, hash_stream
 from .catalog import Catalog, ManifestCache
-from .errors import CorruptCheckpointError, UploadError
+from .errors import CheckpointError, CorruptCheckpointError, UploadError
 from .layout import blob_path, commit_path, manifest_path, pack_path, shards_path
 from . import lease
 from .lease import WriterOp, read_epoch
-from .manifest import Commit, Manifest
+from .manifest import ChunkRef, Commit, Manifest, encode_commit, encode_manifest
+from .packs import MAX_SPAN, PackBuffers, Packing, ReadItem, coalesce, plan_packs
+from .repack import copy_chunks, repoint
 from .retry import RetryPolicy
 from .threads import background_pool
 
 log = logging.getLogger("ckptstore")
 STREAM_THRESHOLD = 16 << 20      # blobs above this are uploaded from their file (multipart, bounded memory)
 _HASH_PIECE = 8 << 20
+#: A pull copies a pack whole when its ranged reads (the step's distinct ranges in it, coalesced across holes
+#: of up to the source's ``coalesce_gap`` as every ranged read is) would fetch at least this fraction of its
+#: size; below it, the pack is read by range. 0.5: ranges fetch R < S/2 bytes of a pack of S instead of S,
+#: and the next upload from the pulled root sends at most those R bytes once more (the new local pack is not
+#: on the remote), so R + R < S: below one half, a ranged pull never moves more bytes than a whole pack
+#: would, counting both directions, and it reads at most half of them on the restart's critical path.
+RANGED_PULL_THRESHOLD = 0.5
 
 
 @dataclass
 class TransferStats:
+    """What one step's copy did. ``bytes_copied``: bytes written to the destination; ``bytes_fetched``: bytes
+    read from the source (whole objects, and the coalesced ranges of the packs read by range, holes
+    included); ``packs_whole`` / ``packs_ranged``: packs fetched whole / read by range (a ranged pull);
+    ``ranges_fetched``: the ranged reads (one GET each remotely) of those packs."""
     step: int
     blobs_total: int = 0
     blobs_copied: int = 0
     bytes_copied: int = 0
     seconds: float = 0.0
+    bytes_fetched: int = 0
+    packs_whole: int = 0
+    packs_ranged: int = 0
+    ranges_fetched: int = 0
+
+
+class _CountedReads:
+    """The source of a ranged pull as :func:`~ckptstore.packs.read_chunks` sees it: each ranged read runs under
+    the copier's retry policy (a transient network error is retried, not reported as damage: read_chunks turns
+    any ``OSError`` into ``CorruptCheckpointError``) and is counted into the step's stats."""
+
+    def __init__(self, copier: "StepCopier", stats: TransferStats):
+        self._copier, self._stats = copier, stats
+
+    def __getattr__(self, name):
+        return getattr(self._copier.src, name)
+
+    def read_range_scatter(self, path: str, offset: int, bufs) -> int:
+        n = self._copier.call(lambda: self._copier.src.read_range_scatter(path, offset, bufs),
+                              f"read {path} from byte {offset}")
+        self._copier._tally(self._stats, ranges_fetched=1, bytes_fetched=n)
+        return n
+
+    def read_range_into(self, path: str, offset: int, out) -> int:
+        return self.read_range_scatter(path, offset, [out])
 
 
 def _file_digest(path: str) -> Tuple[str, int]:
@@ -58,12 +100,21 @@ class StepCopier:
     copying threads, once before the first object and after each object is copied or found present. A blob
     weighs its raw length, a pack the end of the last range the step reads from it (its size is not known
     before it is read); a pass redone after transient errors starts again from 0.
+
+    ``ranged``: a ranged pull (only into a destination with a local path; the uploader leaves it ``None`` and
+    copies whole packs): a pack of which the step's ranged reads would fetch less than this fraction of its
+    size (see ``RANGED_PULL_THRESHOLD``) is read by range and its referenced chunks are written into new local
+    packs of at most ``pack_target`` bytes; the pulled manifests and the local commit marker then name them.
     """
 
     def __init__(self, src, dst, *, workers: int = 8, retry: Optional[RetryPolicy] = None,
                  mark_src: bool = False, progress: Optional[Callable[[int, int], None]] = None,
-                 decoded: Optional[ManifestCache] = None):
+                 decoded: Optional[ManifestCache] = None, ranged: Optional[float] = None,
+                 pack_target: int = Packing().target_size):
         self.src, self.dst = src, dst
+        self.ranged = ranged if dst.local_path("") is not None else None
+        self.pack_target = pack_target
+        self._buffers = PackBuffers()
         self.progress = progress
         self.mark_src = mark_src         # also register the copy as in flight on src (our own root)
         self._dst_epoch = None
@@ -78,6 +129,12 @@ class StepCopier:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._calls.shutdown(wait=False)
+        self._buffers.clear()
+
+    def _tally(self, stats: TransferStats, **counts: int) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                setattr(stats, name, getattr(stats, name) + n)
 
     def call(self, fn, what, policy: Optional[RetryPolicy] = None):
         """Run ``fn`` under the retry policy (or ``policy``, which leaves the step being copied undisturbed);
@@ -146,9 +203,10 @@ class StepCopier:
             log.warning("local pack %s is damaged: replacing it with the copy from %s", pack_id, self.src.url)
         return ok
 
-    def _copy_pack(self, step: int, pack_id: str) -> int:
+    def _copy_pack(self, step: int, pack_id: str, stats: Optional[TransferStats] = None) -> int:
         """Copy one pack if ``dst`` lacks it, verifying the whole file against its id first (one HEAD, then one
-        PUT, multipart from the file when it is large). Returns bytes sent (0 if present)."""
+        PUT, multipart from the file when it is large). Returns bytes sent (0 if present); the bytes read from
+        ``src`` go to ``stats``."""
         key = ("pack", pack_id)
         with self._lock:
             if key in self.known_dst:
@@ -163,11 +221,13 @@ class StepCopier:
         size = self.src.size(path) if local is not None else None
         if local is not None and size is not None and size > STREAM_THRESHOLD:
             sent = self._put_verified_file(step, path, local, pack_id, None, "pack", path)
+            fetched = sent
         else:
             try:
                 payload = self.call(lambda: self.src.read_bytes(path), f"read pack {pack_id}")
             except FileNotFoundError:
                 raise CorruptCheckpointError("pack missing", step=step, blob=path) from None
+            fetched = len(payload)
             if digest_bytes(payload, threads=True) != pack_id:
                 raise CorruptCheckpointError("pack content does not match its hash", step=step, blob=path)
             if self.dst.exists(path):                 # damaged copy found above: replace it, atomically
@@ -176,11 +236,14 @@ class StepCopier:
             else:
                 wrote = self.call(lambda: self.dst.write_new(path, payload), f"write pack {pack_id}")
             sent = len(payload) if wrote else 0
+        if stats is not None:
+            self._tally(stats, bytes_fetched=fetched, packs_whole=1)
         with self._lock:
             self.known_dst.add(key)
         return sent
 
-    def _copy_blob(self, step: int, blob_id: str, codec: str, nbytes: int) -> int:
+    def _copy_blob(self, step: int, blob_id: str, codec: str, nbytes: int,
+                   stats: Optional[TransferStats] = None) -> int:
         """Copy one blob if ``dst`` lacks it, verifying its bytes first. Returns bytes sent (0 if present).
 
         Small blobs on a destination with create-only writes are not looked up first: the write itself is
@@ -197,7 +260,7 @@ class StepCopier:
         if (streamed or not self.dst.conditional_writes) and self._dst_has(key, path):
             return 0
         if streamed:
-            sent = self._put_verified_file(step, path, local, blob_id, nbytes, "blob", blob_id)
+            sent = fetched = self._put_verified_file(step, path, local, blob_id, nbytes, "blob", blob_id)
         else:
             try:
                 payload = self.call(lambda: self.src.read_bytes(path), f"read blob {blob_id}")
@@ -210,7 +273,9 @@ class StepCopier:
             if len(raw) != nbytes or digest_bytes(raw) != blob_id:
                 raise CorruptCheckpointError("blob content does not match its hash", step=step, blob=blob_id)
             wrote = self.call(lambda: self.dst.write_new(path, payload), f"write blob {blob_id}")
-            sent = len(payload) if wrote else 0
+            sent, fetched = (len(payload) if wrote else 0), len(payload)
+        if stats is not None:
+            self._tally(stats, bytes_fetched=fetched)
         with self._lock:
             self.known_dst.add(key)
         return sent
@@ -275,6 +340,7 @@ class StepCopier:
         t0 = time.perf_counter()
         commit_bytes, commit, manifests = self.read_step(step, ranks)
         blobs, packs, pack_ends = {}, set(), {}
+        ranges: Dict[str, Dict[Tuple[int, int], ChunkRef]] = {}
         for _, _, m in manifests:
             for c in m.chunk_refs():
                 if c.pack is None:
@@ -282,14 +348,16 @@ class StepCopier:
                 else:
                     packs.add(c.pack)
                     pack_ends[c.pack] = max(pack_ends.get(c.pack, 0), c.offset + c.stored)
+                    ranges.setdefault(c.pack, {})[(c.offset, c.stored)] = c
         stats = TransferStats(step=step, blobs_total=len(blobs) + len(packs))
         for _ in range(10):
             self._disturbed = False
-            self._copy_objects(step, blobs, packs, stats, pack_ends)
+            ranged = self._ranged_packs(packs, ranges, pack_ends) if marker == "write" else set()
+            new = self._copy_objects(step, blobs, packs - ranged, stats, pack_ends, ranged, ranges)
             self.dst.sync({blob_path(b, c.codec).rsplit("/", 1)[0] for b, c in blobs.items()} |
-                          {pack_path(p).rsplit("/", 1)[0] for p in packs})
-            for rank, data, _ in manifests:
-                path = manifest_path(step, rank, commit.manifests[rank][2])
+                          {pack_path(p).rsplit("/", 1)[0] for p in packs - ranged})
+            writes, marker_bytes = self._dst_metadata(step, commit_bytes, commit, manifests, ranged, new)
+            for path, data in writes:
                 self.call(lambda p=path, d=data: self.dst.write_atomic(p, d), f"write {path}")
             if commit.shards is not None and marker != "skip":     # after the manifests, before the marker
                 shard_map = self.call(lambda: self.src_catalog.read_shard_map_bytes(commit),
@@ -300,7 +368,7 @@ class StepCopier:
                 if marker == "after_all":
                     self._await_other_parts(step, commit, {r for r, _, _ in manifests}, others_timeout)
                 if marker != "skip":
-                    self.call(lambda: self.dst.write_atomic(commit_path(step), commit_bytes),
+                    self.call(lambda: self.dst.write_atomic(commit_path(step), marker_bytes),
                               f"write commit of step {step}")
                 if not self._disturbed:
                     break
@@ -316,6 +384,81 @@ class StepCopier:
             raise UploadError(f"step {step}: the destination kept failing while its blobs were checked")
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    # -- ranged pulls -------------------------------------------------------------------------------------------
+    def _ranged_packs(self, packs, ranges, pack_ends) -> Set[str]:
+        """The packs to read by range: those of which the ranged reads (the step's distinct ranges, coalesced
+        as :func:`~ckptstore.packs.read_chunks` will read them, holes included) would fetch less than
+        ``self.ranged`` of the pack's size, unless ``dst`` already holds them intact. The end of the last range
+        is a lower bound of the size that often decides alone; otherwise the size is looked up (one HEAD per
+        pack, in parallel)."""
+        if self.ranged is None:
+            return set()
+
+        def judge(p: str) -> bool:
+            key, path = ("pack", p), pack_path(p)
+            if self._dst_has(key, path):
+                if self._dst_pack_ok(p, path):
+                    return False                          # here already (saved, or pulled whole before)
+                with self._lock:
+                    self.known_dst.discard(key)
+            items = [ReadItem(c, None) for c in ranges[p].values()]
+            fetch = sum(n for _, n, _ in coalesce(items, gap=self.src.coalesce_gap, max_span=MAX_SPAN))
+            if fetch < self.ranged * pack_ends[p]:
+                return True
+            size = self.call(lambda: self.src.size(path), f"look up the size of pack {p}")
+            return size is not None and fetch < self.ranged * size    # missing: the whole copy says so
+        futures = {p: self._pool.submit(judge, p) for p in sorted(packs)}
+        return {p for p, f in futures.items() if f.result()}
+
+    def _copy_ranged(self, step: int, ranged: Set[str], ranges, stats: TransferStats,
+                     done) -> Dict[str, ChunkRef]:
+        """Read the referenced chunks of the ``ranged`` packs (coalesced ranged reads, each chunk verified
+        against its id) and write them into new local packs, in batches of at most ``pack_target`` referenced
+        bytes (memory stays bounded). Returns chunk id -> its new reference. ``done(pack)``: progress."""
+        order = sorted(ranged)
+        refs_of = {p: sorted(ranges[p].values(), key=lambda c: c.offset) for p in order}
+        src = _CountedReads(self, stats)
+        new: Dict[str, ChunkRef] = {}
+        for group in plan_packs([sum(c.stored for c in refs_of[p]) for p in order], self.pack_target):
+            batch = [order[i] for i in group]
+            got = copy_chunks(src, self.dst, [c for p in batch for c in refs_of[p]], executor=self._pool,
+                              buffers=self._buffers, target_size=self.pack_target, step=step)
+            new.update(got)
+            written = {r.pack: r for r in got.values()}
+            self._tally(stats, packs_ranged=len(batch), blobs_copied=len(written),
+                        bytes_copied=sum(r.stored for r in got.values()))
+            for p in batch:
+                done(p)
+        return new
+
+    def _dst_metadata(self, step: int, commit_bytes: bytes, commit: Commit, manifests, ranged: Set[str],
+                      new: Dict[str, ChunkRef]) -> Tuple[List[Tuple[str, bytes]], bytes]:
+        """The manifest files to write on ``dst`` and the commit marker's bytes: the source's, verbatim, unless
+        packs were read by range. Then each pulled rank's manifest that reads from them is rewritten to name
+        the new packs, as generation g+1 (g: the source's, or the local committed marker's when this step is
+        being repaired, so the manifest the local marker names now is never overwritten), and the local
+        marker names those manifests; every other field of it is the source's."""
+        if not ranged:
+            return [(manifest_path(step, r, commit.manifests[r][2]), d) for r, d, _ in manifests], commit_bytes
+        local_gens = {}
+        try:
+            if self.dst_catalog.is_committed(step):
+                local_gens = {r: g for r, (_, _, g) in self.dst_catalog.read_commit(step).manifests.items()}
+        except CheckpointError:
+            pass                                         # a damaged local marker names nothing worth keeping
+        entries = dict(commit.manifests)
+        writes = []
+        for rank, data, m in manifests:
+            if any(c.pack in ranged for c in m.chunk_refs()):
+                gen = max(commit.manifests[rank][2], local_gens.get(rank, -1)) + 1
+                local = repoint(m, ranged, new)
+                data = encode_manifest(local)
+                entries[rank] = (bytes.fromhex(digest_bytes(data)), len(data), gen)
+                if self.dst_catalog.decoded is not None:     # the restore that follows need not decode it
+                    self.dst_catalog.decoded.put((entries[rank][0], len(data), step, rank), len(data), local)
+            writes.append((manifest_path(step, rank, entries[rank][2]), data))
+        return writes, encode_commit(dataclasses.replace(commit, manifests=entries))
 
     def _await_other_parts(self, step: int, commit: Commit, copied, timeout: Optional[float]) -> None:
         """Wait until ``dst`` holds the manifest of every rank not in ``copied`` (uploaded by the nodes that
@@ -343,26 +486,37 @@ class StepCopier:
             delay = min(2.0, delay * 2)
 
     def _copy_objects(self, step: int, blobs, packs, stats: TransferStats,
-                      pack_ends: Optional[Dict[str, int]] = None) -> None:
-        weight = {("pack", p): (pack_ends or {}).get(p, 0) for p in packs}
+                      pack_ends: Optional[Dict[str, int]] = None, ranged: Set[str] = frozenset(),
+                      ranges=None) -> Dict[str, ChunkRef]:
+        """Copy the blobs and the whole packs (in the pool), and meanwhile the ``ranged`` packs' chunks (from
+        this thread, their reads in the pool). Returns the new references of the ranged packs' chunks."""
+        weight = {("pack", p): (pack_ends or {}).get(p, 0) for p in set(packs) | set(ranged)}
         weight.update({("blob", b): c.nbytes for b, c in blobs.items()})
         done, total = [0], sum(weight.values())
         if self.progress is not None:
             self.progress(0, total)
 
-        def counted(fn, key, *args):
-            sent = fn(step, key[1], *args)
+        def advance(key):
             if self.progress is not None:
                 with self._lock:
                     done[0] += weight[key]
                     now = done[0]
                 self.progress(now, total)
+
+        def counted(fn, key, *args):
+            sent = fn(step, key[1], *args, stats=stats)
+            advance(key)
             return sent
         # packs first: they are the large objects, and the pool overlaps them with the many small blobs
         futures = [self._pool.submit(counted, self._copy_pack, ("pack", p)) for p in sorted(packs)]
         futures += [self._pool.submit(counted, self._copy_blob, ("blob", b), c.codec, c.nbytes)
                     for b, c in blobs.items()]
-        error = None
+        error, new = None, {}
+        if ranged:
+            try:
+                new = self._copy_ranged(step, ranged, ranges, stats, lambda p: advance(("pack", p)))
+            except BaseException as e:
+                error = e
         for f in futures:
             try:
                 sent = f.result()
@@ -373,6 +527,7 @@ class StepCopier:
                 error = error or e
         if error is not None:
             raise error
+        return new
 
     def forget_dst(self) -> None:
         """Drop everything known about the destination (after a failure: it may have changed)."""
