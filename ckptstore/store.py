@@ -14,7 +14,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor, wait as futures_wait
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, MutableMapping, Optional
+from typing import Any, Dict, Iterable, List, Mapping, MutableMapping, Optional, Tuple
 
 from . import __version__
 from .blobs import CODECS, BlobStore, stream_check
@@ -42,6 +42,7 @@ from .runconfig import differences, normalize
 from .snapshot import ArraySpec, StagingPool, VersionCache, direct_view, spec_of
 from .state import Node, flatten, gc_paused, path_str
 from .storage import Storage, is_local, open_storage
+from .storage.retrying import RetryingReads
 from .threads import background_pool
 from . import transfer
 from .transfer import StepCopier, TransferStats
@@ -823,8 +824,9 @@ class Store:
 
         Tiers, each fallback logged with its reason: (1) local committed steps and (2) remote committed steps,
         newest first across both (a step held by both is read locally; a remote step is first pulled into the
-        local root, every blob verified by hash); a damaged local step is repaired from the remote when the
-        remote holds it; (3) ``load_path`` (only ``load_components`` if given: then the return value is
+        local root, every blob verified by hash, except one written by another world size, which each rank
+        reads straight from the remote, only the shards it needs); a damaged local step is repaired from the
+        remote when the remote holds it; (3) ``load_path`` (only ``load_components`` if given: then the return value is
         ``None``, as the run itself starts fresh, and ``resumed_from`` tells what was loaded); (4) fresh start.
         The run's own checkpoints always win over ``load_path``. Details of the choice: ``self.resumed_from``.
 
@@ -897,8 +899,17 @@ class Store:
             if remote_catalog is None:
                 raise CorruptCheckpointError("not committed in this rank's root and no remote to pull from",
                                              step=step)
-            self._pull(step, ranks=parts_needed(remote_catalog.read_commit(step).world_size, self.world_size,
-                                                self.rank))
+            saved = remote_catalog.read_commit_bytes(step)
+            if saved[1].world_size != self.world_size and saved[1].world_size > 1:
+                # Written by another layout of ranks: its parts are not this rank's to keep. Each rank reads
+                # straight from the remote only the ranges its targets overlap (through the step's shard map),
+                # instead of every node pulling every rank's part.
+                remote = RetryingReads(self.remote_storage, self._upload_retry)
+                self._restore(state, Catalog(remote, self._decoded), BlobStore(remote, quarantine=False), step,
+                              strict=strict, check_config=True, rank_local=rank_local, commit=saved[1])
+                self._run_id = saved[1].run_id or self._run_id
+                return "remote"
+            self._pull(step, ranks=parts_needed(saved[1].world_size, self.world_size, self.rank), source=saved)
             pulled.add(step)
             tier = "remote"
         try:
@@ -925,10 +936,11 @@ class Store:
             self._run_id = rid
 
     def _restore(self, state, catalog, blobs, step, *, strict, check_config, components=None,
-                 rank_local: str = "error") -> None:
+                 rank_local: str = "error", commit: Optional[Commit] = None) -> None:
         """Load ``step`` from ``catalog`` / ``blobs`` into ``state`` (:func:`ckptstore.resume.restore_into`),
-        checking the run config first. Raises Corrupt/IncompatibleCheckpointError."""
-        commit = catalog.read_commit(step)
+        checking the run config first; ``commit``: its marker, when the caller read it already. Raises
+        Corrupt/IncompatibleCheckpointError."""
+        commit = commit if commit is not None else catalog.read_commit(step)
         if check_config:
             diffs = differences(commit.config, self.config, self.config_may_change)
             if diffs:
@@ -955,6 +967,8 @@ class Store:
     def _resume_from_load_path(self, state, strict) -> Optional[int]:
         url, step = split_load_path(self.load_path)
         storage = open_storage(url, self.storage_options)
+        if storage.local_path("") is None:
+            storage = RetryingReads(storage, self._upload_retry)
         catalog, blobs = Catalog(storage), BlobStore(storage, quarantine=False)
         steps = [step] if step is not None else list(reversed(catalog.committed_steps()))
         if step is not None and not catalog.is_committed(step):
@@ -994,14 +1008,16 @@ class Store:
         self._pull(step)
         return step
 
-    def _pull(self, step: int, ranks: Optional[List[int]] = None) -> None:
+    def _pull(self, step: int, ranks: Optional[List[int]] = None,
+              source: Optional[Tuple[bytes, Commit]] = None) -> None:
         """Copy a committed remote step (``ranks``' parts only, if given) into the local root (blobs
-        verified), then mark it committed here."""
+        verified), then mark it committed here. ``source``: its remote commit marker (bytes, decoded), when
+        the caller read it already."""
         copier = StepCopier(self.remote_storage, self.storage, retry=self._upload_retry, decoded=self._decoded,
                             ranged=transfer.RANGED_PULL_THRESHOLD, pack_target=self.packing.target_size)
         try:
             with self._maint:
-                stats = copier.copy_step(step, ranks=ranks)
+                stats = copier.copy_step(step, ranks=ranks, source=source)
                 self._point_to_if_newest(step)
         finally:
             copier.close()

@@ -36,6 +36,7 @@ from .threads import background_pool
 
 log = logging.getLogger("ckptstore")
 STREAM_THRESHOLD = 16 << 20      # blobs above this are uploaded from their file (multipart, bounded memory)
+ONE_GET_MAX = 128 << 20          # a remote pack whose size is known and at most this is read by one GET
 _HASH_PIECE = 8 << 20
 #: A pull copies a pack whole when its ranged reads (the step's distinct ranges in it, coalesced across holes
 #: of up to the source's ``coalesce_gap`` as every ranged read is) would fetch at least this fraction of its
@@ -124,6 +125,7 @@ class StepCopier:
         self._lock = threading.Lock()
         self._pool = background_pool(workers, "ckptstore-xfer")
         self._disturbed = False          # a call needed a retry: the destination may have lost state
+        self._src_sizes: Dict[str, int] = {}   # pack id -> size on src, when a ranged-pull decision looked it up
         self._calls = background_pool(4 * workers, "ckptstore-call")
 
     def close(self) -> None:
@@ -147,12 +149,14 @@ class StepCopier:
         self._disturbed = True
 
     # -- reading the source step ----------------------------------------------------------------------------
-    def read_step(self, step: int, ranks=None) -> Tuple[bytes, Commit, List[Tuple[int, bytes, Manifest]]]:
-        """The source step's commit marker (bytes and decoded) and manifests, verified against each other.
-        ``ranks``: only these ranks' manifests (default: every rank the marker names); ``"present"``: those
-        whose manifest file exists in the source (a node-local root holds only its own ranks' parts)."""
-        commit_bytes, commit = self.call(lambda: self.src_catalog.read_commit_bytes(step),
-                                         f"read commit of step {step}")
+    def read_step(self, step: int, ranks=None, source: Optional[Tuple[bytes, Commit]] = None
+                  ) -> Tuple[bytes, Commit, List[Tuple[int, bytes, Manifest]]]:
+        """The source step's commit marker (bytes and decoded; ``source`` when the caller read it already) and
+        manifests, verified against each other. ``ranks``: only these ranks' manifests (default: every rank the
+        marker names); ``"present"``: those whose manifest file exists in the source (a node-local root holds
+        only its own ranks' parts)."""
+        commit_bytes, commit = source or self.call(lambda: self.src_catalog.read_commit_bytes(step),
+                                                   f"read commit of step {step}")
         if ranks == "present":
             ranks = [r for r, (_, _, g) in commit.manifests.items()
                      if self.call(lambda r=r, g=g: self.src.exists(manifest_path(step, r, g)),
@@ -223,8 +227,10 @@ class StepCopier:
             sent = self._put_verified_file(step, path, local, pack_id, None, "pack", path)
             fetched = sent
         else:
+            known = self._src_sizes.get(pack_id) if local is None else None
+            limit = known + 1 if known is not None and known <= ONE_GET_MAX else None   # one GET, no HEAD
             try:
-                payload = self.call(lambda: self.src.read_bytes(path), f"read pack {pack_id}")
+                payload = self.call(lambda: self.src.read_bytes(path, limit=limit), f"read pack {pack_id}")
             except FileNotFoundError:
                 raise CorruptCheckpointError("pack missing", step=step, blob=path) from None
             fetched = len(payload)
@@ -281,7 +287,8 @@ class StepCopier:
         return sent
 
     def copy_step(self, step: int, *, ranks=None, marker: str = "write",
-                  others_timeout: Optional[float] = None) -> TransferStats:
+                  others_timeout: Optional[float] = None,
+                  source: Optional[Tuple[bytes, Commit]] = None) -> TransferStats:
         """Copy one committed step. Raises ``CorruptCheckpointError`` if the source is damaged (nothing of the
         step becomes visible on ``dst``), :class:`~ckptstore.errors.UploadError` past the retry deadline.
 
@@ -289,7 +296,8 @@ class StepCopier:
         the commit marker after the parts; ``"skip"`` it (a node uploading its ranks' parts: rank 0's uploader
         commits); ``"after_all"``: write it only once every rank's manifest is on ``dst`` with the digest the
         marker names (parts copied by other nodes), waiting up to ``others_timeout`` seconds (default: the
-        retry deadline) and raising ``UploadError`` naming the missing ranks after that.
+        retry deadline) and raising ``UploadError`` naming the missing ranks after that. ``source``: the
+        source's commit marker (bytes, decoded) when the caller has just read it (one request fewer).
 
         The copy is registered as in flight on ``dst`` (and on ``src`` with ``mark_src``), so a gc there waits
         for it (see :mod:`ckptstore.lease`); after a gc on ``dst`` what we knew of its objects is dropped."""
@@ -302,7 +310,7 @@ class StepCopier:
                 with self._lock:
                     self.known_dst.clear()
                 self._dst_epoch = epoch
-            return self._copy_step(step, ranks, marker, others_timeout)
+            return self._copy_step(step, ranks, marker, others_timeout, source)
         finally:
             for op in ops:
                 try:
@@ -336,9 +344,10 @@ class StepCopier:
                 if other is not op:
                     self._calls.submit(other.end)      # may do I/O on a stalled server: not on this thread
 
-    def _copy_step(self, step: int, ranks=None, marker: str = "write", others_timeout=None) -> TransferStats:
+    def _copy_step(self, step: int, ranks=None, marker: str = "write", others_timeout=None,
+                   source=None) -> TransferStats:
         t0 = time.perf_counter()
-        commit_bytes, commit, manifests = self.read_step(step, ranks)
+        commit_bytes, commit, manifests = self.read_step(step, ranks, source)
         blobs, packs, pack_ends = {}, set(), {}
         ranges: Dict[str, Dict[Tuple[int, int], ChunkRef]] = {}
         for _, _, m in manifests:
@@ -407,6 +416,9 @@ class StepCopier:
             if fetch < self.ranged * pack_ends[p]:
                 return True
             size = self.call(lambda: self.src.size(path), f"look up the size of pack {p}")
+            if size is not None:
+                with self._lock:
+                    self._src_sizes[p] = size          # a whole copy then needs no lookup of its own
             return size is not None and fetch < self.ranged * size    # missing: the whole copy says so
         futures = {p: self._pool.submit(judge, p) for p in sorted(packs)}
         return {p for p, f in futures.items() if f.result()}

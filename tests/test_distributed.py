@@ -282,6 +282,14 @@ def test_two_nodes_upload_their_parts_and_the_remote_step_needs_all_of_them(tmp_
     names = sorted(p.name for p in step_dir(tmp_path / "node1", 2).glob("manifest-*"))
     assert names == ["manifest-rank00002.msgpack", "manifest-rank00003.msgpack"]
     assert (step_dir(tmp_path / "node1", 2) / "shards.msgpack").exists()      # pulled with the parts
+    # the job moves to one node of 2 ranks with an empty disk: each rank reads straight from S3 only the
+    # saved shards its own overlap (through the shard map) and pulls nothing of the 4-rank step
+    res = run(2, "--mode", "load", "--store", str(tmp_path / "new"), "--remote", url, "--so", so,
+              "--full", str(tmp_path / "g2.pt"))
+    assert [(res[r]["step"], res[r]["tier"]) for r in range(2)] == [(2, "remote"), (2, "remote")]
+    assert max(res[r]["manifests_read"] for r in range(2)) <= 3
+    assert_same_state(full(tmp_path / "g2.pt")["state"], full(tmp_path / "w.pt")["state"])
+    assert not data_files(tmp_path / "new") and not step_dir(tmp_path / "new", 2).exists()
 
 
 def test_a_hostile_sharded_entry_is_a_checkpoint_error_and_resume_falls_back(tmp_path):

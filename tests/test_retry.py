@@ -42,3 +42,46 @@ def test_transient_errors_are_retried_until_success():
             raise ConnectionResetError("reset by peer")
         return "ok"
     assert RetryPolicy(deadline=30, backoff=0.01).call(fn, "put") == "ok" and len(calls) == 3
+
+
+class _Flaky:
+    """A real local storage whose first ``fails`` calls of each read raise a connection reset."""
+
+    def __init__(self, inner, fails: int):
+        self.inner, self.fails, self.calls = inner, fails, []
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*a, **kw):
+            self.calls.append(name)
+            if self.calls.count(name) <= self.fails and name != "write_atomic":
+                raise ConnectionResetError(f"{name}: reset by peer")
+            return attr(*a, **kw)
+        return call
+
+
+def test_retrying_reads_retry_transient_errors_and_pass_the_rest_through(tmp_path):
+    """What a resume reading straight from a remote gets: a dropped connection is retried, a missing object
+    is raised at once, writes are not wrapped."""
+    import torch
+    from ckptstore.storage import open_storage
+    from ckptstore.storage.retrying import RetryingReads
+    local = open_storage(str(tmp_path))
+    local.write_atomic("a/b", b"payload")
+    flaky = _Flaky(local, fails=2)
+    reads = RetryingReads(flaky, RetryPolicy(deadline=30, backoff=0.01))
+    assert reads.read_bytes("a/b") == b"payload" and flaky.calls.count("read_bytes") == 3
+    out = torch.zeros(3, dtype=torch.uint8)
+    assert reads.read_range_into("a/b", 2, memoryview(out.numpy())) == 3 and bytes(out.numpy()) == b"ylo"
+    flaky.fails = 100
+    with pytest.raises(UploadError, match="read_bytes a/b"):           # past the deadline: named
+        RetryingReads(flaky, RetryPolicy(deadline=0.2, backoff=0.01)).read_bytes("a/b")
+    flaky.fails, flaky.calls = 0, []
+    with pytest.raises(FileNotFoundError):
+        reads.read_bytes("missing")
+    assert flaky.calls == ["read_bytes"]                                # not retried
+    reads.write_atomic("a/c", b"x")
+    assert local.read_bytes("a/c") == b"x" and reads.url == local.url
