@@ -899,12 +899,14 @@ class Store:
             if remote_catalog is None:
                 raise CorruptCheckpointError("not committed in this rank's root and no remote to pull from",
                                              step=step)
-            saved = remote_catalog.read_commit_bytes(step)
+            # reads of the step chosen are retried (the listing is not: an unreachable remote must not hold
+            # up a resume from local steps); a failed read would otherwise count as damage
+            remote = RetryingReads(self.remote_storage, self._upload_retry)
+            saved = Catalog(remote, self._decoded).read_commit_bytes(step)
             if saved[1].world_size != self.world_size and saved[1].world_size > 1:
                 # Written by another layout of ranks: its parts are not this rank's to keep. Each rank reads
                 # straight from the remote only the ranges its targets overlap (through the step's shard map),
                 # instead of every node pulling every rank's part.
-                remote = RetryingReads(self.remote_storage, self._upload_retry)
                 self._restore(state, Catalog(remote, self._decoded), BlobStore(remote, quarantine=False), step,
                               strict=strict, check_config=True, rank_local=rank_local, commit=saved[1])
                 self._run_id = saved[1].run_id or self._run_id

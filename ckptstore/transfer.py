@@ -32,6 +32,7 @@ from .manifest import ChunkRef, Commit, Manifest, encode_commit, encode_manifest
 from .packs import MAX_SPAN, PackBuffers, Packing, ReadItem, coalesce, plan_packs
 from .repack import copy_chunks, repoint
 from .retry import RetryPolicy
+from .storage.retrying import RetryingReads
 from .threads import background_pool
 
 log = logging.getLogger("ckptstore")
@@ -112,15 +113,17 @@ class StepCopier:
                  mark_src: bool = False, progress: Optional[Callable[[int, int], None]] = None,
                  decoded: Optional[ManifestCache] = None, ranged: Optional[float] = None,
                  pack_target: int = Packing().target_size):
-        self.src, self.dst = src, dst
+        self.retry = retry or RetryPolicy()
+        # a remote source's reads are retried beneath the catalog, which reads a failed read as damage
+        self.src = RetryingReads(src, self.retry) if src.local_path("") is None else src
+        self.dst = dst
         self.ranged = ranged if dst.local_path("") is not None else None
         self.pack_target = pack_target
         self._buffers = PackBuffers()
         self.progress = progress
         self.mark_src = mark_src         # also register the copy as in flight on src (our own root)
         self._dst_epoch = None
-        self.src_catalog, self.dst_catalog = Catalog(src, decoded), Catalog(dst, decoded)
-        self.retry = retry or RetryPolicy()
+        self.src_catalog, self.dst_catalog = Catalog(self.src, decoded), Catalog(dst, decoded)
         self.known_dst: Set[Tuple[str, str]] = set()
         self._lock = threading.Lock()
         self._pool = background_pool(workers, "ckptstore-xfer")

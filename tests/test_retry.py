@@ -85,3 +85,21 @@ def test_retrying_reads_retry_transient_errors_and_pass_the_rest_through(tmp_pat
     assert flaky.calls == ["read_bytes"]                                # not retried
     reads.write_atomic("a/c", b"x")
     assert local.read_bytes("a/c") == b"x" and reads.url == local.url
+
+
+def test_a_dropped_connection_under_the_catalog_is_retried_not_taken_for_damage(tmp_path):
+    """The catalog reads any failed read of a commit marker or manifest as damage (resume would then fall back
+    to an older step); beneath it, the reads of a remote step being pulled or read are retried."""
+    import torch
+    from ckptstore import CheckpointError, Store
+    from ckptstore.catalog import Catalog
+    from ckptstore.storage import open_storage
+    from ckptstore.storage.retrying import RetryingReads
+    with Store(tmp_path / "s") as s:
+        s.save({"w": torch.arange(10.0)}, 1)
+    with pytest.raises(CheckpointError, match="unreadable"):
+        Catalog(_Flaky(open_storage(str(tmp_path / "s")), fails=1)).read_commit(1)
+    catalog = Catalog(RetryingReads(_Flaky(open_storage(str(tmp_path / "s")), fails=1),
+                                    RetryPolicy(deadline=30, backoff=0.01)))
+    commit = catalog.read_commit(1)
+    assert catalog.read_manifest(commit, 0).step == 1
