@@ -20,6 +20,12 @@ Sections (``--sections``):
   reshard  ``--reshard-to`` (2) ranks: the same model, sharded 2 ways, saves its own step (ckptstore + DCP),
            then resumes (cold, in place) from it ("same-size") and from the ``--world``-rank checkpoints of the
            fsdp section ("resharding"), for both libraries.
+  remote   (with fsdp) the fsdp section's checkpoints are put on a moto S3 server on 127.0.0.1 (ckptstore: its
+           uploader; DCP: the folder copied with fsspec), then ``--reshard-to`` ranks, each with an empty local
+           root, resume from S3: ckptstore's resume (a step of another world size is read straight from the
+           remote, only each rank's overlaps) vs ``Store.pull`` of the whole step into each rank's root then
+           resume (what every node did before) vs ``dcp.load`` through DCP's ``FsspecReader``. Use a 64mb or
+           256mb state: every byte goes through moto on the same 2 cores.
   coord    tiny state (one ``--coord-elems`` fp32 tensor per rank) at each of ``--coord-ranks``: seconds per
            collective ckptstore save, per-rank ckptstore save into its own root without coordination
            (``world_size=1``), and ``dcp.save``; coordinator calls, bytes gathered to rank 0, and
@@ -390,6 +396,48 @@ def rank_reshard(cfg: dict, rank: int, world: int) -> dict:
     return out
 
 
+def rank_remote(cfg: dict, rank: int, world: int) -> dict:
+    """Resume the fsdp section's checkpoints, put on S3, on ``world`` ranks with empty local roots."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from ckptstore import Store
+    counters = Counters()
+    mem = Mem()
+    model, optim = build(cfg["size"], cfg["seed"])
+    app = AppState(model, optim)
+    local_bytes = sum(C.nbytes(t) for t in local_tensors(model, optim))
+    src_crcs = None
+    if cfg["verify"] and (Path(cfg["out"]) / "full_crcs.json").exists():
+        src_crcs = json.loads((Path(cfg["out"]) / "full_crcs.json").read_text())
+    opts, url = cfg["so"], cfg["url"]
+    import fsspec                       # the S3 client is imported and connected before any timing (the
+    fsspec.filesystem("s3", **opts).ls(url.split("://", 1)[1])   # Store and FsspecReader reuse this instance)
+    out: Dict[str, Any] = {"rank": rank, "local_bytes": local_bytes, "samples": {}, "wrong": []}
+    cases = ["ckptstore", "ckptstore pull all", "dcp"]
+    for rep in range(cfg["repeat"]):
+        for m in (cases if rep % 2 == 0 else cases[::-1]):
+            root = _fresh(cfg["dir"], "remote_", rank, counters) + f"/rank{rank}"   # a node-local root each
+            _perturb(model, optim)
+            if m.startswith("ckptstore"):
+                def load():
+                    with Store(root, remote=f"{url}/ckpt", storage_options=opts, upload=False,
+                               collective_timeout=cfg["timeout"]) as s:
+                        if m.endswith("pull all"):
+                            s.pull(1)
+                        assert s.resume({"app": app}) == 1
+                        out[f"manifests_read {m}"] = s.resumed_from.get("manifests_read")
+                rec = _timed(counters, mem, load)
+                rec["local_files"] = sum(1 for _ in Path(root).rglob("*.pack"))
+            else:
+                rec = _timed(counters, mem, lambda: dcp.load({"app": app},
+                                                             storage_reader=FsspecReader(f"{url}/dcp", **opts)))
+            out["samples"].setdefault(m, []).append(rec)
+            shutil.rmtree(root, ignore_errors=True)
+            if rep == 0 and src_crcs is not None and full_crcs(app) != src_crcs:
+                out["wrong"].append(m)
+    return out
+
+
 def rank_coord(cfg: dict, rank: int, world: int) -> dict:
     import torch
     import torch.distributed.checkpoint as dcp
@@ -457,7 +505,8 @@ def rank_main(mode: str, cfg: dict) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        out = {"fsdp": rank_fsdp, "reshard": rank_reshard, "coord": rank_coord}[mode](cfg, rank, world)
+        out = {"fsdp": rank_fsdp, "reshard": rank_reshard, "remote": rank_remote,
+               "coord": rank_coord}[mode](cfg, rank, world)
         print("RESULT " + json.dumps(out), flush=True)
         dist.barrier()
         dist.destroy_process_group()
@@ -591,6 +640,42 @@ def report_fsdp(fs: List[dict], rs: Optional[List[dict]], args, world: int, to: 
     return table(head, rows), js
 
 
+def report_remote(res: List[dict], state: int, world: int, to: int) -> tuple:
+    rows, js = [], {}
+    dcp_med = med(per_repeat_max(res, "dcp"))
+    labels = {"dcp": "dcp.load (FsspecReader)", "ckptstore": "ckptstore resume (reads from S3)",
+              "ckptstore pull all": "ckptstore pull whole step + resume"}
+    for m in ("dcp", "ckptstore", "ckptstore pull all"):
+        xs = per_repeat_max(res, m)
+        peak, pct, frac = _mem_cells(res, m)
+        files = max(s.get("local_files", 0) for r in res for s in r["samples"][m])
+        wrong = any(m in r["wrong"] for r in res)
+        rows.append([f"{labels[m]} {world}->{to}", *fmt_s(xs), f"{state / med(xs) / 1e9:.2f}",
+                     f"{med(xs) / dcp_med:.2f}" if m != "dcp" else "", peak, pct,
+                     ("WRONG DATA; " if wrong else "") + (f"packs in each local root: {files}"
+                                                          if m != "dcp" else "")])
+        js[m] = dict(seconds=xs, median=med(xs), x_dcp=med(xs) / dcp_med, peak_frac_of_rank_state=frac,
+                     local_packs=files, wrong=wrong,
+                     manifests_read=[r.get(f"manifests_read {m}") for r in res] if m != "dcp" else None)
+    head = ["operation (from S3, empty local roots)", "median s", "min-max s", "GB/s", "x DCP", "peak RSS+/rank",
+            "% rank state", "note"]
+    return table(head, rows), js
+
+
+def put_on_s3(kept: Dict[str, str], work: Path):
+    """Start moto on 127.0.0.1 and put the fsdp section's checkpoints there (not timed)."""
+    import fsspec
+    from backends.launcher import S3Server
+    from ckptstore import Store
+    server = S3Server(workdir=work / "moto").start()
+    url, opts = server.new_bucket_url("dist"), server.storage_options()
+    with Store(kept["ckptstore"], remote=f"{url}/ckpt", storage_options=opts, rank=0, world_size=1) as s:
+        s.wait_for_uploads()
+    fs = fsspec.filesystem("s3", **opts)
+    fs.put(kept["dcp"].rstrip("/") + "/", f"{url}/dcp/".split("://", 1)[1], recursive=True)
+    return server, url, opts
+
+
 def report_coord(per_world: Dict[int, List[dict]]) -> tuple:
     rows, js = [], {}
     for world, res in per_world.items():
@@ -627,7 +712,7 @@ def report_coord(per_world: Dict[int, List[dict]]) -> tuple:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=tuple(SIZES), default="64mb", help="FSDP state size (weights + AdamW)")
-    ap.add_argument("--sections", default="fsdp,reshard,coord", help="from fsdp,reshard,coord")
+    ap.add_argument("--sections", default="fsdp,reshard,coord", help="from fsdp,reshard,remote,coord")
     ap.add_argument("--world", type=int, default=4, help="ranks of the fsdp section")
     ap.add_argument("--reshard-to", type=int, default=2, help="ranks of the reshard section")
     ap.add_argument("--repeat", type=int, default=3, help="round-robin repeats (median, min-max)")
@@ -664,7 +749,7 @@ def main() -> int:
                               "loadavg_start": os.getloadavg()}
     try:
         fs = rs = None
-        if "fsdp" in sections or "reshard" in sections:
+        if sections & {"fsdp", "reshard", "remote"}:
             t0 = time.perf_counter()
             fs = launch(args.world, "fsdp", cfg, args.job_timeout)
             state = sum(r["local_bytes"] for r in fs)
@@ -692,6 +777,23 @@ def main() -> int:
             result["fsdp"] = js
             result["fsdp_raw"] = fs
             result["reshard_raw"] = rs
+        if "remote" in sections and fs:
+            t0 = time.perf_counter()
+            server, url, opts = put_on_s3(fs[0]["kept"], work)
+            try:
+                t1 = time.perf_counter()
+                res = launch(args.reshard_to, "remote", dict(cfg, url=url, so=opts), args.job_timeout)
+            finally:
+                server.stop()
+            print(f"\nremote: put on moto in {t1 - t0:.0f} s; {args.reshard_to} ranks, "
+                  f"{time.perf_counter() - t1:.0f} s", flush=True)
+            text, js = report_remote(res, result["state_bytes"], args.world, args.reshard_to)
+            print("\n" + text)
+            reads = [r.get("manifests_read ckptstore") for r in res]
+            print(f"\nckptstore from S3: manifests read per rank {reads}; seconds = the slowest rank, median of "
+                  f"{args.repeat}; each rank resumes into an empty root of its own (node-local disks).", flush=True)
+            result["remote"] = js
+            result["remote_raw"] = res
         if "coord" in sections:
             per_world = {}
             for w in (int(x) for x in args.coord_ranks.split(",")):
