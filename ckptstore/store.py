@@ -826,8 +826,9 @@ class Store:
         newest first across both (a step held by both is read locally; a remote step is first pulled into the
         local root, every blob verified by hash, except one written by another world size, which each rank
         reads straight from the remote, only the shards it needs); a damaged local step is repaired from the
-        remote when the remote holds it; (3) ``load_path`` (only ``load_components`` if given: then the return value is
-        ``None``, as the run itself starts fresh, and ``resumed_from`` tells what was loaded); (4) fresh start.
+        remote when the remote holds it; (3) ``load_path`` (only ``load_components`` if given: then the return
+        value is ``None``, as the run itself starts fresh, and ``resumed_from`` tells what was loaded); (4) fresh
+        start.
         The run's own checkpoints always win over ``load_path``. Details of the choice: ``self.resumed_from``.
 
         Stateful values get ``load_state_dict``; other entries of ``state`` are replaced by the loaded values
