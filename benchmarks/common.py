@@ -364,10 +364,17 @@ def reset_peak_rss() -> bool:
 
 
 def peak_rss_bytes() -> int:
-    """getrusage(RUSAGE_SELF).ru_maxrss in bytes. On Linux it is the mm's high-water mark,
-    which reset_peak_rss() resets (checked: the value drops after a reset). Children are
-    started while the parent holds no big state, so the exec-time carry-over of the
-    parent's maxrss is negligible."""
+    """This process's high-water RSS in bytes: VmHWM of /proc/self/status (the mm's own mark, which
+    reset_peak_rss() resets), else getrusage's ru_maxrss. ru_maxrss is not used first: it is the larger of
+    that mark and the maxrss carried over at exec from the process that forked it, so a child forked by a
+    parent holding a big state (a bench driver that has just uploaded one) reports the parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
