@@ -42,7 +42,7 @@ from .runconfig import differences, normalize
 from .snapshot import ArraySpec, StagingPool, VersionCache, direct_view, spec_of
 from .state import Node, flatten, gc_paused, path_str
 from .storage import Storage, is_local, open_storage
-from .storage.retrying import RetryingReads
+from .storage.retrying import with_read_retries
 from .threads import background_pool
 from . import transfer
 from .transfer import StepCopier, TransferStats
@@ -902,13 +902,14 @@ class Store:
                                              step=step)
             # reads of the step chosen are retried (the listing is not: an unreachable remote must not hold
             # up a resume from local steps); a failed read would otherwise count as damage
-            remote = RetryingReads(self.remote_storage, self._upload_retry)
-            saved = Catalog(remote, self._decoded).read_commit_bytes(step)
+            remote = with_read_retries(self.remote_storage, self._upload_retry)
+            step_catalog = Catalog(remote, self._decoded)
+            saved = step_catalog.read_commit_bytes(step)
             if saved[1].world_size != self.world_size and saved[1].world_size > 1:
                 # Written by another layout of ranks: its parts are not this rank's to keep. Each rank reads
                 # straight from the remote only the ranges its targets overlap (through the step's shard map),
                 # instead of every node pulling every rank's part.
-                self._restore(state, Catalog(remote, self._decoded), BlobStore(remote, quarantine=False), step,
+                self._restore(state, step_catalog, BlobStore(remote, quarantine=False), step,
                               strict=strict, check_config=True, rank_local=rank_local, commit=saved[1])
                 self._run_id = saved[1].run_id or self._run_id
                 return "remote"
@@ -969,9 +970,7 @@ class Store:
 
     def _resume_from_load_path(self, state, strict) -> Optional[int]:
         url, step = split_load_path(self.load_path)
-        storage = open_storage(url, self.storage_options)
-        if storage.local_path("") is None:
-            storage = RetryingReads(storage, self._upload_retry)
+        storage = with_read_retries(open_storage(url, self.storage_options), self._upload_retry)
         catalog, blobs = Catalog(storage), BlobStore(storage, quarantine=False)
         steps = [step] if step is not None else list(reversed(catalog.committed_steps()))
         if step is not None and not catalog.is_committed(step):

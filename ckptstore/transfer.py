@@ -32,7 +32,7 @@ from .manifest import ChunkRef, Commit, Manifest, encode_commit, encode_manifest
 from .packs import MAX_SPAN, PackBuffers, Packing, ReadItem, coalesce, plan_packs
 from .repack import copy_chunks, repoint
 from .retry import RetryPolicy
-from .storage.retrying import RetryingReads
+from .storage.retrying import with_read_retries
 from .threads import background_pool
 
 log = logging.getLogger("ckptstore")
@@ -115,7 +115,7 @@ class StepCopier:
                  pack_target: int = Packing().target_size):
         self.retry = retry or RetryPolicy()
         # a remote source's reads are retried beneath the catalog, which reads a failed read as damage
-        self.src = RetryingReads(src, self.retry) if src.local_path("") is None else src
+        self.src = with_read_retries(src, self.retry)
         self.dst = dst
         self.ranged = ranged if dst.local_path("") is not None else None
         self.pack_target = pack_target

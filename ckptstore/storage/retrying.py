@@ -37,3 +37,9 @@ class RetryingReads:
         def retried(*args, **kw):
             return self.policy.call(lambda: attr(*args, **kw), f"{name} {args[0] if args else ''} of {url}")
         return retried
+
+
+def with_read_retries(storage, policy: RetryPolicy):
+    """``storage`` with retried reads when it is remote; a local storage as it is (its errors are not
+    transient: a failed local read is damage, and resume falls back on it at once)."""
+    return storage if storage.local_path("") is not None else RetryingReads(storage, policy)
