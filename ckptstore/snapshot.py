@@ -2,12 +2,10 @@
 
 Three ways in, one way out (:class:`ArraySpec` with ``view`` or ``known`` set):
 
-* **unchanged** (:class:`VersionCache`): a tensor whose storage, offset, shape, stride, dtype and autograd
-  version counter equal those recorded at the last committed save has the same bytes; its chunk references are
-  reused and it is neither copied nor hashed. The storage is held by weak reference, and PyTorch keeps one
-  Python object per storage for its lifetime, so a freed-and-reallocated buffer never matches. Writes that
-  bypass torch's version counter (through a numpy view, ctypes, DLPack) are not seen: pass
-  ``Store(track_versions=False)`` if training does that.
+* **unchanged** (opt-in, :class:`~ckptstore.changes.VersionCache`): a tensor proven unchanged since the last
+  committed save reuses that save's chunk references and is neither copied nor hashed (``spec.known``). The
+  storage is held by weak reference, and PyTorch keeps one Python object per storage for its lifetime, so a
+  freed-and-reallocated buffer never matches. See :mod:`ckptstore.changes` for what it cannot see.
 * **blocking save** (:func:`direct_view`): a contiguous CPU tensor is used in place (the caller is blocked, so
   nothing changes it); anything else is materialised once into a temporary contiguous CPU copy.
 * **non-blocking save** (:class:`StagingPool`): every changed array is copied into page-aligned host memory
@@ -17,8 +15,6 @@ Three ways in, one way out (:class:`ArraySpec` with ``view`` or ``known`` set):
 """
 from __future__ import annotations
 
-import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -53,57 +49,6 @@ def spec_of(node: Node) -> ArraySpec:
         return ArraySpec(node.path, "tensor", TORCH_DTYPE_NAMES[v.dtype], tuple(v.shape),
                          v.numel() * v.element_size(), str(v.device), bool(v.requires_grad))
     return ArraySpec(node.path, node.kind, v.dtype.str, tuple(v.shape), int(v.nbytes))
-
-
-# -- unchanged tensors ----------------------------------------------------------------------------------------
-def _version_key(t: torch.Tensor):
-    try:
-        version = t._version
-        storage = t.untyped_storage()
-        ref = weakref.ref(storage)
-    except (RuntimeError, TypeError, NotImplementedError):   # inference tensors, exotic subclasses
-        return None
-    return (ref, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device), version)
-
-
-def _same(a, b) -> bool:
-    if a is None or b is None:
-        return False
-    ref_a, *rest_a = a
-    ref_b, *rest_b = b
-    obj = ref_a()
-    return obj is not None and obj is ref_b() and rest_a == rest_b
-
-
-class VersionCache:
-    """key path -> (version key, chunk refs) of the last committed save. Thread-safe."""
-
-    def __init__(self):
-        self._entries: Dict[KeyPath, Tuple[Any, List[ChunkRef]]] = {}
-        self._lock = threading.Lock()
-
-    def lookup(self, spec: ArraySpec, t: torch.Tensor, index) -> Optional[List[ChunkRef]]:
-        """The chunk refs recorded for ``spec.path`` if ``t`` is provably unchanged and ``index.has`` every
-        ref (its blob or pack is still in the store), else ``None``."""
-        key = _version_key(t)
-        spec.cache_key = key
-        with self._lock:
-            entry = self._entries.get(spec.path)
-        if entry is None or not _same(entry[0], key):
-            return None
-        refs = entry[1]
-        if any(not index.has(r) for r in refs):      # removed since (gc, quarantine)
-            return None
-        return refs
-
-    def record(self, specs: List[ArraySpec], refs: List[List[ChunkRef]]) -> None:
-        with self._lock:
-            self._entries = {s.path: (s.cache_key, r) for s, r in zip(specs, refs)
-                             if s.kind == "tensor" and s.cache_key is not None}
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
 
 
 # -- blocking saves -------------------------------------------------------------------------------------------

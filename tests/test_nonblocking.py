@@ -91,13 +91,13 @@ def test_background_failure_is_raised_by_close(tmp_path, monkeypatch):
         s.save(big_state(), 2)
 
 
-def test_unchanged_tensors_are_not_copied_or_hashed(tmp_path):
+def test_unchanged_tensors_are_not_copied_or_hashed_with_track_versions(tmp_path):
     model = torch.nn.Sequential(torch.nn.Embedding(5000, 64), torch.nn.Linear(64, 64))
     model[0].weight.requires_grad_(False)          # frozen embedding
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     state = {"model": model, "optimizer": opt}
     emb_bytes = 5000 * 64 * 4
-    with Store(tmp_path) as s:
+    with Store(tmp_path, track_versions=True) as s:
         for step in range(1, 4):
             model(torch.randint(0, 5000, (8,))).sum().backward()
             opt.step()
@@ -117,7 +117,7 @@ def test_unchanged_tensors_are_not_copied_or_hashed(tmp_path):
 
 def test_in_place_change_is_seen_and_replaced_tensor_is_seen(tmp_path):
     state = {"w": torch.zeros(1000)}
-    with Store(tmp_path) as s:
+    with Store(tmp_path, track_versions=True) as s:
         s.save(state, 1)
         state["w"].add_(1)                          # bumps the version counter
         assert s.save(state, 2).bytes_unchanged == 0
@@ -127,9 +127,9 @@ def test_in_place_change_is_seen_and_replaced_tensor_is_seen(tmp_path):
         assert s.load(3)["w"][0].item() == 7.0
 
 
-def test_writes_behind_torchs_back_need_track_versions_off(tmp_path):
+def test_writes_behind_torchs_back_are_saved_by_default(tmp_path):
     t = torch.zeros(1000)
-    with Store(tmp_path, track_versions=False) as s:
+    with Store(tmp_path) as s:
         s.save({"w": t}, 1)
         t.numpy()[:] = 5                             # invisible to the version counter
         assert s.save({"w": t}, 2).bytes_unchanged == 0
