@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor, wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, MutableMapping, Optional, Tuple
 
-from . import __version__
+from . import __version__, hub
 from .blobs import CODECS, BlobStore, stream_check
 from .catalog import Catalog, ManifestCache
 from .collective import default_coordinator
@@ -182,7 +182,10 @@ class Store:
             which every committed step is uploaded in the background, in commit order (see
             :mod:`ckptstore.upload` for the order, crash safety and backlog policy).
         load_path: where to start from when the run has no checkpoint of its own: a store URL (its newest
-            valid step) or ``<store URL>/steps/<step>`` (that step, zero-padded to 12 digits or not).
+            valid step), ``<store URL>/steps/<step>`` (that step, zero-padded to 12 digits or not), or model
+            weights in the Hub's format, never unpickled: a ``.safetensors`` file or a ``save_pretrained``
+            directory (``model.safetensors`` or its index and shards), loaded into ``state["model"]`` (or the
+            one key ``load_components`` names); see :mod:`ckptstore.hub`.
         load_components: take only these top-level keys from ``load_path`` (e.g. ``("model",)`` for
             weights-only fine-tuning); the other entries of ``state`` keep their fresh values.
         keep_local: keep at most this many committed steps on local disk once they are uploaded (the
@@ -975,6 +978,11 @@ class Store:
 
     def _resume_from_load_path(self, state, strict) -> Optional[int]:
         url, step = split_load_path(self.load_path)
+        if step is None:
+            weights = hub.open_weights(url, self.storage_options,
+                                       wrap=lambda s: with_read_retries(s, self._upload_retry))
+            if weights is not None:                  # Hub-format weights (safetensors): a weights-only start
+                return self._start_from_weights(state, *weights)
         storage = with_read_retries(open_storage(url, self.storage_options), self._upload_retry)
         catalog, blobs = Catalog(storage), BlobStore(storage, quarantine=False)
         steps = [step] if step is not None else list(reversed(catalog.committed_steps()))
@@ -995,6 +1003,17 @@ class Store:
                      f" (components {list(self.load_components)})" if self.load_components else "")
             return None if self.load_components is not None else s
         raise CheckpointError(f"load_path {storage.url} holds no valid committed step")
+
+    def _start_from_weights(self, state, storage, files, weight_map) -> None:
+        """``load_path`` names safetensors weights (see :mod:`ckptstore.hub`): load them into one top-level
+        key of ``state``; the run starts fresh (returns ``None``), ``resumed_from`` says what was loaded."""
+        key = hub.target_key(state, self.load_components, storage.url)
+        hub.apply_weights(state, hub.read_weights(storage, files, weight_map), key, storage.url)
+        self.resumed_from = {"tier": "load_path", "step": None, "url": storage.url, "components": [key],
+                             "files": list(files)}
+        log.info("no checkpoint of this run yet: initialised state[%r] from %s (%d safetensors file(s))", key,
+                 storage.url, len(files))
+        return None
 
     def pull(self, step: Optional[int] = None) -> int:
         """Copy a committed step of ``remote`` (default: its newest committed step) into the local root,
