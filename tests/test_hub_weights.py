@@ -212,3 +212,22 @@ def test_pickled_weights_are_not_taken_for_hub_weights(tmp_path):
     with Store(tmp_path / "run", load_path=str(d)) as s:
         with pytest.raises(CheckpointError, match="no valid committed step"):
             s.resume(_fresh_state())
+
+
+def test_a_real_save_pretrained_directory_loads_bit_for_bit(tmp_path):
+    """transformers' own writer (sharded, tied lm_head dropped) as the source: nothing downloaded, a config-only
+    tiny GPT-2."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=300, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    src = transformers.GPT2LMHeadModel(cfg)
+    src.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    torch.manual_seed(1)
+    dst = transformers.GPT2LMHeadModel(cfg)
+    with Store(tmp_path / "run", load_path=str(tmp_path / "hf")) as s:
+        assert s.resume({"model": dst}) is None
+        assert len(s.resumed_from["files"]) > 1
+    for k, v in src.state_dict().items():
+        assert torch.equal(dst.state_dict()[k], v), k
