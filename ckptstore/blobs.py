@@ -140,6 +140,7 @@ class BlobStore:
         self.storage = storage
         self.quarantine = quarantine              # False for stores this process only reads (load_path)
         self._known: Dict[str, str] = {}          # blob id -> codec, of blobs known to exist
+        self._trusted: Set[str] = set()           # blobs this process wrote, or found on disk and hashed
         self._lock = threading.Lock()
         self._dirs: Set[str] = set()              # object directories written since the last sync()
 
@@ -161,11 +162,13 @@ class BlobStore:
     def forget(self, blob_id: str) -> None:
         with self._lock:
             self._known.pop(blob_id, None)
+            self._trusted.discard(blob_id)
 
     def forget_all(self) -> None:
         """Forget which blobs exist (another process's gc may have removed some)."""
         with self._lock:
             self._known.clear()
+            self._trusted.clear()
 
     def put(self, blob_id: str, data: memoryview, codec: str = "raw", level: int = 1) -> Tuple[str, int]:
         """Store ``data`` (raw bytes whose digest is ``blob_id``) unless already present.
@@ -173,12 +176,17 @@ class BlobStore:
         Returns ``(codec actually stored, bytes written)``; bytes written is 0 when the blob was present.
         With ``codec="zstd"`` the blob is stored raw when compression saves less than 3%.
         """
-        seen = blob_id in self._known
         present = self.locate(blob_id)
         if present is not None:
-            # A blob first seen on disk (not written or checked by this process) must at least have the right
-            # length: after a power loss, a file linked before its bytes were durable may be short or empty.
-            if seen or present != "raw" or self.storage.size(blob_path(blob_id, "raw")) == len(data):
+            # Dedup by name trusts only bytes this process wrote or has hashed: a blob first found on disk is
+            # read and hashed once (a file linked before its bytes were durable can hold anything after a power
+            # loss, with the right length or not; FORMAT.md "Write order").
+            if blob_id in self._trusted:
+                return present, 0
+            if ((present == "raw" and self.storage.adopt(blob_path(blob_id, present), len(data)))
+                    or self.judge(blob_id, present) is True):
+                with self._lock:
+                    self._trusted.add(blob_id)
                 return present, 0
             self._quarantine(blob_id, present)
         payload = data
@@ -192,7 +200,13 @@ class BlobStore:
             raise ValueError(f"unknown codec {codec!r}")
         path = blob_path(blob_id, codec)
         wrote = self.storage.write_new(path, payload)
+        if not wrote and not self.storage.adopt(path, len(payload)) and self.judge(blob_id, codec) is not True:
+            # appeared meanwhile (another rank of a shared root) but is not (yet) whole: make it ours, atomically
+            self.storage.write_atomic(path, payload)
+            wrote = True
         self.remember(blob_id, codec)
+        with self._lock:
+            self._trusted.add(blob_id)
         with self._lock:
             self._dirs.add(path.rsplit("/", 1)[0])
         return codec, (len(payload) if wrote else 0)

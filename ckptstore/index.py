@@ -2,7 +2,8 @@
 
 Source of truth: the committed manifests, which record every chunk's location. The index is derived from
 them and kept in memory by each writer: when a rank first saves, it reads its own manifest of the newest
-committed step (one file) and checks that every pack it names still exists (one ``stat`` per pack); after each
+committed step (one file) and hashes every pack it names once (a pack that survived a power loss by name only
+may hold anything); before each save it checks that those packs still exist (one ``stat`` per pack); after each
 commit it becomes exactly the chunks of the step just committed. It is not persisted: a persisted copy would be
 one more file that gc, repack and crashes must keep consistent, and rebuilding it costs one manifest read.
 
@@ -21,6 +22,7 @@ import logging
 import threading
 from typing import Dict, Iterable, Optional, Set
 
+from .blobs import digest_bytes
 from .errors import CheckpointError
 from .layout import pack_path
 from .manifest import ChunkRef
@@ -76,8 +78,23 @@ class ChunkIndex:
                 break
             except CheckpointError as e:                 # a damaged step is no source of truth: try older
                 log.info("chunk index: not using step %d (%s)", step, e)
+        # Read from disk, not written by this process: each pack is hashed once before any chunk of it is
+        # reused (a pack whose name survived a power loss may hold anything; FORMAT.md "Write order").
+        bad = {p for p in {r.pack for r in refs.values() if r.pack is not None} if not self._pack_intact(p)}
+        if bad:
+            log.warning("chunk index: %d pack(s) do not hash to their names; their chunks will be written again",
+                        len(bad))
+            refs = {k: r for k, r in refs.items() if r.pack not in bad}
         with self._lock:
             self._refs, self._loaded = refs, True
+
+    def _pack_intact(self, pack: str) -> bool:
+        path = pack_path(pack)
+        try:
+            size = self.storage.size(path)
+            return size is not None and digest_bytes(self.storage.read_bytes(path), threads=True) == pack
+        except OSError:
+            return False
 
     def replace(self, refs: Iterable[ChunkRef]) -> None:
         """After a commit: the index becomes the chunks of the step just committed."""

@@ -70,6 +70,8 @@ def _host_id() -> str:
 
 
 HOST = _host_id()
+BOOT_ID = _read_first_line("/proc/sys/kernel/random/boot_id")
+MACHINE_ID = _read_first_line("/etc/machine-id")
 
 
 def pid_start(pid: int) -> Optional[str]:
@@ -96,7 +98,7 @@ _ME = pid_start(os.getpid())
 def holder(kind: str, **extra) -> dict:
     now = time.time()
     return {"token": uuid.uuid4().hex, "kind": kind, "host": HOST, "hostname": socket.gethostname(),
-            "pid": os.getpid(), "pid_start": pid_start(os.getpid()), "started": now, "renewed": now, **extra}
+            "machine_id": MACHINE_ID, "boot_id": BOOT_ID, "pid": os.getpid(), "pid_start": pid_start(os.getpid()), "started": now, "renewed": now, **extra}
 
 
 def decode(data: Optional[bytes]) -> Optional[dict]:
@@ -119,10 +121,21 @@ def is_stale(info: Optional[dict], mtime: Optional[float], ttl: Optional[float] 
         start = pid_start(info.get("pid", -1)) if isinstance(info.get("pid"), int) else None
         if start is None or (start != "?" and start != info.get("pid_start")):
             return True
+    elif _earlier_boot_of_this_machine(info):
+        return True                 # the machine rebooted since: every process of that boot is gone
     last = mtime if mtime is not None else info.get("renewed")
     if not isinstance(last, (int, float)):
         return True
     return now - last > ttl
+
+
+def _earlier_boot_of_this_machine(info: dict) -> bool:
+    """Whether the holder ran on this machine (same hostname and ``/etc/machine-id``, which survives reboots
+    and differs between machines) in an earlier boot (another boot id). Holders written without these fields,
+    or a machine without a machine id, never match: they wait for the TTL as before."""
+    return (bool(MACHINE_ID) and bool(BOOT_ID) and info.get("hostname") == socket.gethostname()
+            and info.get("machine_id") == MACHINE_ID and isinstance(info.get("boot_id"), str)
+            and bool(info["boot_id"]) and info["boot_id"] != BOOT_ID)
 
 
 def describe(info: Optional[dict]) -> str:

@@ -146,6 +146,13 @@ class Storage(ABC):
         """The OS path of ``path`` when this storage is a local filesystem, else ``None``."""
         return None
 
+    def adopt(self, path: str, size: Optional[int] = None) -> bool:
+        """Whether the existing file ``path`` (of ``size`` bytes, when given) holds exactly what its writer wrote, so a writer may name it
+        without hashing it: only a local file created during this boot can be told so (a power loss can leave a
+        file of an earlier boot with any bytes). If so, the file is made durable by this storage's next
+        :meth:`sync`. Default: ``False`` (hash it)."""
+        return False
+
     def move(self, src: str, dst: str) -> None:
         """Move a file (used to quarantine corrupt blobs). Not atomic on object stores."""
         self.write_atomic(dst, self.read_bytes(src))

@@ -67,7 +67,13 @@ class LocalStorage(Storage):
         self._lock = threading.Lock()
         self._tls = threading.local()
         self._unsynced = set()              # files created by write_new, not yet made durable by sync()
-        os.makedirs(self.root, exist_ok=True)
+        self._dirty_dirs = set()            # directories holding an entry of a directory we created, not yet
+        #                                     fsynced (the new directory's name is lost at power loss until then)
+        if not os.path.isdir(self.root):
+            self._makedirs(self.root)
+        self._flush_dirs()                  # the root's own entry is durable before anything is written in it
+        #: whether ``syncfs(2)`` on this filesystem makes everything durable (see :func:`syncfs_trusted`)
+        self.syncfs_trusted = _SYNCFS is not None and syncfs_trusted(self.root)
 
     # -- paths --------------------------------------------------------------------------------------------
     def _abs(self, path: str) -> str:
@@ -78,10 +84,38 @@ class LocalStorage(Storage):
     def _ensure_parent(self, full: str) -> str:
         parent = os.path.dirname(full)
         if parent not in self._made_dirs:
-            os.makedirs(parent, exist_ok=True)
+            self._makedirs(parent)
             with self._lock:
                 self._made_dirs.add(parent)
         return parent
+
+    def _makedirs(self, path: str) -> None:
+        """``os.makedirs``, remembering the parent of every directory it creates: that parent's entry for it
+        must be fsynced before any file below is relied on (power loss forgets an un-fsynced mkdir)."""
+        missing = []
+        p = path
+        while not os.path.isdir(p):
+            missing.append(p)
+            up = os.path.dirname(p)
+            if up == p:
+                break
+            p = up
+        for d in reversed(missing):
+            try:
+                os.mkdir(d)
+            except FileExistsError:
+                if not os.path.isdir(d):
+                    raise
+                continue                  # made by a concurrent writer, which makes it durable itself
+            with self._lock:
+                self._dirty_dirs.add(os.path.dirname(d))
+
+    def _flush_dirs(self) -> None:
+        """fsync every directory that gained a subdirectory since the last flush (deepest first)."""
+        with self._lock:
+            dirs, self._dirty_dirs = self._dirty_dirs, set()
+        for d in sorted(dirs, key=len, reverse=True):
+            _fsync_dir(d)
 
     # -- reads --------------------------------------------------------------------------------------------
     # Only regular files are read: a FIFO, device or directory planted at a store path must neither hang a
@@ -262,6 +296,7 @@ class LocalStorage(Storage):
             _unlink_quiet(tmp)
             raise
         _fsync_dir(os.path.dirname(full))
+        self._flush_dirs()                  # and every directory on its path this storage created
 
     def write_new(self, path: str, data: Buffer) -> bool:
         """Create-only, via ``link(2)`` of a finished temp file: never exposes a partial file, never replaces.
@@ -285,6 +320,22 @@ class LocalStorage(Storage):
         return True
 
     conditional_writes = True
+
+    def adopt(self, path: str, size: Optional[int] = None) -> bool:
+        """See :meth:`Storage.adopt`: a regular file of the expected size whose ctime is at least ``BOOT_MARGIN`` seconds after
+        this boot began was created in this boot by ``write_new`` (temp file written whole, then linked), so its
+        bytes are the writer's; it joins the files the next :meth:`sync` makes durable."""
+        full = self._abs(path)
+        try:
+            st = os.stat(full)
+        except OSError:
+            return False
+        if (not stat.S_ISREG(st.st_mode) or (size is not None and st.st_size != size) or _BOOT_TIME is None
+                or st.st_ctime < _BOOT_TIME + BOOT_MARGIN):
+            return False
+        with self._lock:
+            self._unsynced.add(full)
+        return True
 
     def local_path(self, path: str) -> Optional[str]:
         return self._abs(path)
@@ -316,14 +367,18 @@ class LocalStorage(Storage):
             os.close(lock_fd)                     # releases the lock
 
     def sync(self, dirs) -> None:
-        """Make durable every file :meth:`write_new` created so far and the entries of ``dirs``: one
-        ``syncfs(2)`` of this filesystem where available, else a fsync of each file and directory."""
+        """Make durable every file :meth:`write_new` created so far, the entries of ``dirs``, of every
+        directory holding such a file, and of every directory this storage created: one ``syncfs(2)`` where the
+        filesystem honours it (:func:`syncfs_trusted`), else a fsync of each file, then of each directory.
+        Raises ``OSError`` when a fsync fails (the caller must not name the files then)."""
         with self._lock:
             files, self._unsynced = self._unsynced, set()
-        if files and _SYNCFS is not None:
+        if (files or self._dirty_dirs) and self.syncfs_trusted:
             fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
             try:
                 if _SYNCFS(fd) == 0:
+                    with self._lock:
+                        self._dirty_dirs.clear()      # syncfs wrote back every inode and entry of the fs
                     return
             finally:
                 os.close(fd)
@@ -336,8 +391,10 @@ class LocalStorage(Storage):
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        for d in sorted(set(dirs)):
-            _fsync_dir(self._abs(d))
+        parents = {os.path.dirname(f) for f in files} | {self._abs(d) for d in dirs}
+        for d in sorted(parents, key=len, reverse=True):
+            _fsync_dir(d)
+        self._flush_dirs()
 
     def delete(self, path: str) -> None:
         _unlink_quiet(self._abs(path))
@@ -352,6 +409,57 @@ class LocalStorage(Storage):
 
     def __repr__(self) -> str:
         return f"LocalStorage({self.root!r})"
+
+
+def _boot_time() -> Optional[float]:
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("btime "):
+                    return float(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+_BOOT_TIME = _boot_time()
+BOOT_MARGIN = 120.0     # seconds: a clock stepped at boot (RTC off, then NTP) must not date an old file "new"
+
+
+# Filesystems whose syncfs(2) writes back every inode and directory entry to stable storage. Linux returns 0
+# from syncfs on FUSE mounts without telling the filesystem (only virtiofs gets FUSE_SYNCFS), and network or
+# cluster filesystems differ in what it reaches: on any type not listed, files and directories are fsynced one
+# by one (issue 17, D3).
+SYNCFS_TRUSTED = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "jfs", "reiserfs", "nilfs2", "zfs",
+                            "bcachefs", "overlay", "tmpfs", "ramfs", "virtiofs"})
+
+
+def filesystem_type(path: str) -> Optional[str]:
+    """The type of the filesystem ``path`` is on, from ``/proc/self/mountinfo`` (the mount point that is the
+    longest prefix of its real path), or ``None`` when it cannot be told."""
+    real = os.path.realpath(path)
+    best, fstype = -1, None
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                left, sep, right = line.partition(" - ")
+                fields = left.split()
+                if not sep or len(fields) < 5 or not right.split():
+                    continue
+                mnt = fields[4].replace("\\040", " ")
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) > best:
+                    best, fstype = len(mnt), right.split()[0]
+    except OSError:
+        return None
+    return fstype
+
+
+def syncfs_trusted(path: str) -> bool:
+    """Whether one ``syncfs(2)`` makes the files and directories under ``path`` durable (its filesystem type is
+    in :data:`SYNCFS_TRUSTED`). ``CKPTSTORE_SYNCFS=0`` forces per-file fsyncs anywhere."""
+    if os.environ.get("CKPTSTORE_SYNCFS", "") == "0":
+        return False
+    return filesystem_type(path) in SYNCFS_TRUSTED
 
 
 def _write_loop(fd: int, mv: memoryview) -> None:
