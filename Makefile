@@ -9,6 +9,10 @@ STAMP := $(VENV)/.installed
 .PHONY: venv demo test bench clean
 
 $(STAMP): pyproject.toml
+	@# libfuse3 + fusermount3 for the power-loss tests (tests/lazyfs.py); as root where apt-get exists, else
+	@# those tests skip, saying why
+	if [ -e /dev/fuse ] && ! command -v fusermount3 >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3) >/dev/null || echo "fuse3 not installed: power-loss tests will skip"; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	if [ "$(TORCH_SPEC)" != "skip" ]; then $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
