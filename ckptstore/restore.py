@@ -202,7 +202,7 @@ class StepLoader:
         m = self.shard_map()
         ranks = m.ranks(path, g, box, prefer=self.rank) if m is not None else None
         if ranks is not None:
-            index = ShardIndex(g, self._shards_of(path, ranks))
+            index = ShardIndex(g, self._checked(self._shards_of(path, ranks), g, key))
             overlaps = index.overlapping(box)
             try:
                 index.check_covers(box, overlaps, key)
@@ -210,10 +210,29 @@ class StepLoader:
             except CorruptCheckpointError as e:
                 log.warning("step %d: the shard map's ranks %s do not cover %s (%s): reading every manifest",
                             self.commit.step, ranks, key, e)
-        index = ShardIndex(g, self._shards(path))
+        index = ShardIndex(g, self._checked(self._shards(path), g, key))
         overlaps = index.overlapping(box)
         index.check_covers(box, overlaps, key)
         return overlaps
+
+    def _checked(self, shards: List[SavedShard], g, key: str) -> List[SavedShard]:
+        """The saved shards of one key, each checked to agree with the first on the global shape and dtype and
+        to lie inside the global shape (another rank's manifest is untrusted input too). Raises
+        ``CorruptCheckpointError`` naming the rank."""
+        if not shards:
+            return shards
+        dtype = shards[0].entry.dtype
+        for s in shards:
+            e = s.entry
+            off, shape = s.box
+            if (tuple(e.shard.global_shape) != tuple(g) or e.dtype != dtype or len(off) != len(g)
+                    or len(shape) != len(g)
+                    or any(o < 0 or n < 0 or o + n > d for o, n, d in zip(off, shape, g))):
+                raise CorruptCheckpointError(
+                    f"rank {s.rank}'s shard (offset {list(off)}, shape {list(shape)}, {e.dtype}, global shape "
+                    f"{list(e.shard.global_shape)}) does not fit the key's global shape {list(g)} ({dtype})",
+                    step=self.commit.step, key=key)
+        return shards
 
     def _shards_of(self, path: KeyPath, ranks: List[int]) -> List[SavedShard]:
         """The saved shards of ``path`` in the manifests of ``ranks`` (this rank's first when among them)."""
@@ -293,6 +312,10 @@ class StepLoader:
                     f"{str(target.dtype).replace('torch.', '')} of shape {list(target.shape)}", step=self.commit.step)
             box = target_box(target)
         else:
+            if isinstance(target, torch.Tensor) and (tuple(target.shape) != tuple(g) or target.dtype != dtype):
+                raise IncompatibleCheckpointError(
+                    f"{key}: checkpoint holds {entry.dtype} of global shape {list(g)}, the target is "
+                    f"{str(target.dtype).replace('torch.', '')} of shape {list(target.shape)}", step=self.commit.step)
             box = ((0,) * len(g), tuple(g))
         own = entry if self.same_world else None
         if own is not None and (own.shard.offset, own.shape) == box:

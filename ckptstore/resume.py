@@ -52,6 +52,8 @@ def first_valid_step(list_candidates: Callable[[], List[Tier]], attempt: Callabl
             error, fatal = e, True
         except CheckpointError as e:
             error = e
+        except Exception as e:        # any other failure still ends in the agreement (else the other ranks
+            error, fatal = e, True    # wait for this one until the timeout), then is raised on every rank
         if coord is not None:
             error, fatal = agree_outcome(coord, f"{tag}/{i}", step, error, fatal, timeout)
         if fatal:
@@ -85,6 +87,44 @@ def agree_outcome(coord: Coordinator, tag: str, step: int, error: Optional[BaseE
         return (error if fatal else IncompatibleCheckpointError(verdict["error"], step=step)), True
     return (error or CorruptCheckpointError(f"another rank could not load it: {verdict['error']}",
                                             step=step)), False
+
+
+def check_against(live: Any, saved: Any, key: str, step: int, path: Tuple = ()) -> None:
+    """Compare the values about to be handed to a Stateful's ``load_state_dict`` with what its
+    ``state_dict()`` holds now, where both have a value: a tensor must meet a tensor of the same shape and dtype
+    (else ``IncompatibleCheckpointError``: the model or optimizer changed, as for DTensor targets), and a
+    tensor, a mapping or a sequence must not meet a value of another kind (else ``CorruptCheckpointError``:
+    no legitimate save produces it). Keys present on one side only are left to ``load_state_dict`` (a fresh
+    optimizer's ``state`` is empty). Raises before anything is loaded."""
+    import torch
+
+    where = "/".join([key, *map(str, path)])
+    if isinstance(live, torch.Tensor):
+        if not isinstance(saved, torch.Tensor):
+            raise CorruptCheckpointError(f"{where}: saved value is {type(saved).__name__}, not a tensor", step=step)
+        if tuple(live.shape) != tuple(saved.shape) or live.dtype != saved.dtype:
+            raise IncompatibleCheckpointError(
+                f"{where}: checkpoint holds {str(saved.dtype).replace('torch.', '')} of shape "
+                f"{list(saved.shape)}, the state holds {str(live.dtype).replace('torch.', '')} of shape "
+                f"{list(live.shape)}", step=step)
+    elif isinstance(live, dict):
+        if not isinstance(saved, dict):
+            raise CorruptCheckpointError(f"{where}: saved value is {type(saved).__name__}, not a mapping", step=step)
+        for k in live.keys() & saved.keys():
+            check_against(live[k], saved[k], key, step, path + (k,))
+    elif isinstance(live, (list, tuple)):
+        if not isinstance(saved, (list, tuple)):
+            raise CorruptCheckpointError(f"{where}: saved value is {type(saved).__name__}, not a sequence",
+                                         step=step)
+        for i, (a, b) in enumerate(zip(live, saved)):
+            check_against(a, b, key, step, path + (i,))
+    elif isinstance(live, (bool, int, float, str, bytes)) and live is not None and saved is not None:
+        num = (int, float)
+        same = (isinstance(saved, num) and not isinstance(saved, bool)) if isinstance(live, num) and \
+            not isinstance(live, bool) else isinstance(saved, type(live))
+        if not same:
+            raise CorruptCheckpointError(f"{where}: saved value is {type(saved).__name__}, the state holds "
+                                         f"{type(live).__name__}", step=step)
 
 
 def parts_needed(saved_world_size: int, world_size: int, rank: int) -> Optional[List[int]]:
@@ -129,8 +169,17 @@ def restore_into(state: MutableMapping[str, Any], loader, *, strict: bool,
         loaded = loader.load(wanted, targets, rank_local=rank_local)
     keys = [k for k in list(state) if k in loaded]
     for key in keys:
+        if is_stateful(state[key]) and not (key in sharded or rank_local == "fresh"):
+            check_against(state[key].state_dict(), loaded[key], key, step)
+    for key in keys:
         if is_stateful(state[key]):
-            state[key].load_state_dict(loaded[key])
+            try:
+                state[key].load_state_dict(loaded[key])
+            except Exception as e:
+                # the values passed every check above and the Stateful still refused them: this step is not
+                # usable for it (resume tries an older one), never an exception escaping resume
+                raise CorruptCheckpointError(f"state[{key!r}].load_state_dict refused the saved values "
+                                             f"({type(e).__name__}: {str(e)[:500]})", step=step) from e
     for key in keys:
         if not is_stateful(state[key]):
             state[key] = loaded[key]

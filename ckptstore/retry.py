@@ -8,6 +8,7 @@ retried, and when the deadline passes the last error is raised as :class:`~ckpts
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import logging
 import random
 import re
@@ -27,10 +28,24 @@ _TRANSIENT_WORDS = ("timeout", "timed out", "throttl", "slowdown", "slow down", 
 _TRANSIENT_STATUS = re.compile(r"(?<![0-9a-f])(429|500|502|503|504)(?![0-9a-f])")
 
 
+_UNSATISFIABLE = ("416", "invalidrange", "range not satisfiable", "requested range")
+
+
+def unsatisfiable_range(e: BaseException) -> bool:
+    """A ranged read past the end of an object: S3's 416 / InvalidRange (s3fs raises it as ``OSError(EINVAL)``).
+    The object is shorter than a manifest claims: damage, never worth a retry (retrying hung resume until the
+    deadline, issue 17)."""
+    text = f"{type(e).__name__}: {e}".lower()
+    return (isinstance(e, OSError) and e.errno == errno.EINVAL) or any(w in text for w in _UNSATISFIABLE)
+
+
 def is_transient(e: BaseException) -> bool:
-    """Whether a failed call is worth retrying. Damage found in a checkpoint never is."""
+    """Whether a failed call is worth retrying. Damage found in a checkpoint never is, nor is a ranged read past
+    the end of an object (:func:`unsatisfiable_range`)."""
     if isinstance(e, (CheckpointError, FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError,
                       NotADirectoryError, ValueError, TypeError, KeyError)):
+        return False
+    if unsatisfiable_range(e):
         return False
     if isinstance(e, (ConnectionError, TimeoutError, concurrent.futures.TimeoutError)):
         return True

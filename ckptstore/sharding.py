@@ -150,13 +150,32 @@ class ShardIndex:
         return out
 
     def check_covers(self, box: Box, overlaps: List[Tuple[SavedShard, Box]], where: str) -> None:
-        """Raise ``CorruptCheckpointError`` unless the overlaps cover every element of ``box`` exactly once
-        (counted; saved shards of one key never overlap each other except as identical replicas)."""
+        """Raise ``CorruptCheckpointError`` unless the overlaps cover every element of ``box`` exactly once:
+        they are pairwise disjoint (saved shards of one key never overlap except as identical replicas, which
+        the index keeps once) and their sizes add up to the box's. Counting alone is not enough: a shard moved
+        to overlap another by k rows leaves k rows uncovered with the same count (issue 17). Disjointness is
+        checked by a sweep along dim 0 (sorted once; each overlap is compared only with those whose dim-0 range
+        it meets), not all pairs."""
         want = _numel(box[1])
         got = sum(_numel(r[1]) for _, r in overlaps)
         if got != want:
             raise CorruptCheckpointError(f"saved shards cover {got} of the {want} elements this rank needs "
                                          f"(box offset {list(box[0])}, shape {list(box[1])})", key=where)
+        if not box[0]:                                   # 0-d: one value
+            if len(overlaps) > 1:
+                raise CorruptCheckpointError("several saved shards of a 0-d value", key=where)
+            return
+        active: List[Tuple[int, SavedShard, Box]] = []   # (dim-0 end, shard, overlap) meeting the sweep line
+        for shard, region in sorted(overlaps, key=lambda o: o[1][0][0]):
+            start = region[0][0]
+            active = [a for a in active if a[0] > start]
+            for _, other, prev in active:
+                if intersect(prev, region) is not None:
+                    raise CorruptCheckpointError(
+                        f"saved shards of rank {other.rank} (offset {list(other.box[0])}, shape "
+                        f"{list(other.box[1])}) and rank {shard.rank} (offset {list(shard.box[0])}, shape "
+                        f"{list(shard.box[1])}) overlap: the step's shards do not tile the tensor", key=where)
+            active.append((start + region[1][0], shard, region))
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -53,11 +53,16 @@ def test_state_keys_mismatch(tmp_path):
         assert state["sampler_state"] == {}
 
 
-def test_model_shape_mismatch_raises_from_load_state_dict(tmp_path):
+def test_model_shape_mismatch_is_incompatible_before_load_state_dict(tmp_path):
+    """Checked against the Stateful's state_dict() first, as DTensor targets are: an error naming the key and
+    both shapes, and nothing loaded (not the module's RuntimeError from inside load_state_dict)."""
+    model = torch.nn.Linear(3, 2)
+    before = model.weight.clone()
     with Store(tmp_path) as s:
         s.save({"model": torch.nn.Linear(2, 2)}, 1)
-        with pytest.raises(RuntimeError, match="size mismatch"):
-            s.resume({"model": torch.nn.Linear(3, 2)})
+        with pytest.raises(IncompatibleCheckpointError, match=r"model/weight.*shape \[2, 2\].*shape \[2, 3\]"):
+            s.resume({"model": model})
+    assert torch.equal(model.weight, before)
 
 
 def test_config_change_is_incompatible_except_allowed_keys(tmp_path):

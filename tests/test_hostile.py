@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptstore import CheckpointError, CorruptCheckpointError, Packing, Store, UploadError
+from ckptstore import IncompatibleCheckpointError, CheckpointError, CorruptCheckpointError, Packing, Store, UploadError
 from ckptstore.retry import RetryPolicy
 from helpers import blobs_of_key, chunks_of_key, flip_byte, rewrite_frame, rewrite_manifest, step_dir
 from test_cli import cli
@@ -202,7 +202,7 @@ def test_failed_restore_applies_nothing_to_plain_entries(tmp_path):
         node(body, ["model", "weight"])[2]["shape"] = [3, 4]
     rewrite_manifest(tmp_path, 1, transpose)
     state = {"model": torch.nn.Linear(3, 4), "progress": {"step": "untouched"}}
-    with Store(tmp_path) as s, pytest.raises(RuntimeError, match="size mismatch"):
+    with Store(tmp_path) as s, pytest.raises(IncompatibleCheckpointError, match=r"model/weight.*shape \[3, 4\]"):
         s.resume(state)
     assert state["progress"] == {"step": "untouched"}
 
