@@ -181,6 +181,12 @@ def main():
         return
 
     if args.mode == "load":
+        if os.environ.get("CKPTSTORE_TEST_RAISE_IN_RESUME") == str(rank):   # a bug, not damage, on this rank
+            import ckptstore.restore as _restore
+
+            def _raise(*a, **k):
+                raise RuntimeError(f"injected failure on rank {rank}")
+            _restore.StepLoader.load = _raise
         try:
             step = store.resume(state, rank_local=args.rank_local)
         except CheckpointError as e:

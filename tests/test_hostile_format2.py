@@ -166,3 +166,20 @@ def rewrite_remote_manifest(remote, step, mutate):
     rewrite_manifest(d, step, mutate)
     for name in names:
         remote.write_atomic(f"{rel}/{name}", (sd / name).read_bytes())
+
+
+def test_a_foreign_exception_on_one_rank_ends_in_the_agreement_not_a_hang(two_rank_store, tmp_path):
+    """Rank 1's attempt raises a RuntimeError (not a CheckpointError): it skipped the ranks' agreement, and rank
+    0 waited for it until collective_timeout. Now both ranks leave at once: rank 1 with its own error, rank 0
+    with an IncompatibleCheckpointError naming rank 1's."""
+    root = _copy(two_rank_store, tmp_path)
+    t0 = time.monotonic()
+    job = Job(2, "--mode", "load", "--store", str(root), "--timeout", "300",
+              env={"CKPTSTORE_TEST_RAISE_IN_RESUME": "1"})
+    out = job.wait(120)
+    assert time.monotonic() - t0 < 100
+    assert out[0] is not None and out[0]["result"] == "error", out
+    assert out[0]["type"] == "IncompatibleCheckpointError" and "injected failure on rank 1" in out[0]["error"]
+    # rank 1 leaves with its own error, or (when rank 0, which hosts the job's TCPStore, exits first) with the
+    # verdict's read cut short: either way at once
+    assert out[1] is None or out[1]["result"] == "error", out[1]
