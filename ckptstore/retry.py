@@ -23,7 +23,9 @@ T = TypeVar("T")
 
 _TRANSIENT_WORDS = ("timeout", "timed out", "throttl", "slowdown", "slow down", "too many requests",
                     "connection", "reset by peer", "broken pipe", "temporarily", "serviceunavailable",
-                    "internalerror", "requesttimeout", "cannot connect", "server disconnected", "endpoint", "eof")
+                    "internalerror", "requesttimeout", "cannot connect", "server disconnected", "endpoint", "eof",
+                    # a body damaged or cut short in transfer: read it again (never "no checkpoint")
+                    "checksum", "incompleteread", "incomplete read", "content-length", "payload", "truncated")
 # HTTP statuses worth a retry, as whole numbers only: blob ids (hex) and step numbers contain "500" or "429"
 _TRANSIENT_STATUS = re.compile(r"(?<![0-9a-f])(429|500|502|503|504)(?![0-9a-f])")
 
@@ -48,6 +50,9 @@ def is_transient(e: BaseException) -> bool:
     if unsatisfiable_range(e):
         return False
     if isinstance(e, (ConnectionError, TimeoutError, concurrent.futures.TimeoutError)):
+        return True
+    if type(e).__name__ in ("FlexibleChecksumError", "IncompleteRead", "ResponseStreamingError",
+                            "ClientPayloadError", "ContentLengthError"):
         return True
     text = f"{type(e).__name__}: {e}".lower()
     return (any(w in text for w in _TRANSIENT_WORDS) or _TRANSIENT_STATUS.search(text) is not None

@@ -28,6 +28,9 @@ def _is_precondition_failure(e: BaseException) -> bool:
     return "412" in text or "precondition" in text or "conditionnotmet" in text
 
 
+LANDED_MAX = 1 << 20      # bytes: conditional writes read back after a failed precondition (metadata, not data)
+
+
 class FsspecStorage(Storage):
     coalesce_gap = 4 << 20              # one request costs ~ms; 4 MiB at ~100-400 MB/s costs about as much
     def __init__(self, url: str, storage_options: Optional[dict] = None):
@@ -138,7 +141,7 @@ class FsspecStorage(Storage):
                 self.fs.pipe_file(full, bytes(data), mode="create")
                 return True
             except FileExistsError:
-                return False
+                return self._landed(full, data)
             except (TypeError, NotImplementedError, ValueError):
                 self._create_ok = False          # backend without create-only writes
         if self.fs.exists(full):
@@ -184,8 +187,23 @@ class FsspecStorage(Storage):
         except Exception as e:                        # precondition failures surface as several types
             if _is_precondition_failure(e):
                 self.fs.invalidate_cache(full)
-                return False
+                return self._landed(full, data)
             raise
+
+    def _landed(self, full: str, data: Buffer) -> bool:
+        """After a failed precondition of a small conditional write: whether the object now holds exactly
+        ``data``. The client library retries a request whose answer was lost (a reset after the server applied
+        it); the retry then fails its own precondition against the write that landed. Recognising the bytes
+        makes the write idempotent (issue 17: one lost answer to a lease renewal lost the writer lease, and every
+        later upload failed). Lease and marker bodies carry a unique token and time, so equal bytes are ours;
+        for a pointer or a blob, equal bytes are the outcome asked for. Objects over ``LANDED_MAX`` bytes are
+        not read back (False, as before)."""
+        if len(data) > LANDED_MAX:
+            return False
+        try:
+            return self.fs.cat_file(full) == bytes(data)
+        except Exception:                             # cannot tell: the caller's usual path (not ours)
+            return False
 
     def _gcs_upload_if_generation(self, full: str, data: bytes, generation) -> None:
         """One-shot multipart upload with ``ifGenerationMatch`` (the request gcsfs's own one-shot uploads use;
