@@ -44,3 +44,66 @@ def test_bodies_damaged_in_transfer_are_transient_and_retried():
         return b"ok"
     assert RetryPolicy(deadline=10, backoff=0.01).call(flaky, "read") == b"ok"
     assert len(calls) == 3
+
+
+def _state(step):
+    import torch
+    return {"w": torch.full((50_000,), float(step)), "small": [torch.full((64,), float(step + i)) for i in range(6)],
+            "step": step}
+
+
+def test_uploads_recover_in_the_same_process_once_the_network_heals(tmp_path, s3_bucket_url, monkeypatch):
+    """Training saves every step without blocking while the link to S3 resets connections, throttles, stalls
+    and loses answers to requests the server applied; then the faults stop. The remote must catch up with the
+    local store in the same process (no restart), every remote step verifying, and training must only ever have
+    seen UploadErrors, never lost a step."""
+    import time
+
+    import torch
+    from ckptstore import CheckpointError, Store
+    from ckptstore.errors import UploadError
+    from faultproxy import FaultProxy
+
+    import ckptstore.lease
+    monkeypatch.setattr(ckptstore.lease, "TTL", 4.0)   # the remote writer lease is renewed every second, under faults
+    url, opts = s3_bucket_url
+    upstream = int(opts["endpoint_url"].rsplit(":", 1)[1].split("/")[0])
+    with FaultProxy(upstream, seed=17) as proxy:
+        popts = dict(opts, endpoint_url=proxy.endpoint,
+                     config_kwargs={"retries": {"max_attempts": 3, "mode": "standard"},
+                                    "connect_timeout": 2, "read_timeout": 4})
+        errors = []
+        s = Store(tmp_path / "local", remote=url, storage_options=popts,
+                  upload_retry=RetryPolicy(deadline=8, op_timeout=4, backoff=0.05, max_backoff=1))
+        try:
+            proxy.faults = True
+            for step in range(1, 16):
+                try:
+                    s.save(_state(step), step, blocking=False)
+                except UploadError as e:
+                    errors.append(e)
+                time.sleep(0.2)
+            proxy.faults = False
+            for step in range(16, 19):
+                try:
+                    s.save(_state(step), step, blocking=False)
+                except UploadError as e:
+                    errors.append(e)
+            deadline = time.monotonic() + 90
+            while True:
+                try:
+                    s.wait_for_uploads(timeout=30)
+                    break
+                except UploadError as e:
+                    errors.append(e)
+                    assert time.monotonic() < deadline, f"uploads never recovered: {e}"
+            local = s.steps()
+        finally:
+            s.close()
+        faults = sum(v for k, v in proxy.counts.items() if k != "ok")
+    assert faults >= 5, f"the proxy injected too few faults to prove anything: {dict(proxy.counts)}"
+    assert local[-1] == 18
+    with Store(tmp_path / "check", remote=url, storage_options=opts, upload=False) as r:
+        target = {"w": torch.zeros(50_000), "small": [], "step": 0}
+        assert r.resume(target) == 18, "the remote did not catch up with the local store"
+        assert torch.equal(target["w"], torch.full((50_000,), 18.0))

@@ -1,0 +1,115 @@
+"""A seeded fault-injecting TCP proxy on 127.0.0.1 for the object-store tests (issue 17, section 4).
+
+It forwards connections to an upstream server (moto) and, while ``faults`` is on, gives each new connection one
+fate drawn from a seeded generator:
+* ``reset``: the connection is closed before anything is forwarded (a reset before the request);
+* ``slowdown``: the request is answered ``503 SlowDown`` by the proxy itself (S3's throttling answer);
+* ``lost``: the request reaches the server, which applies it, and the connection is reset as the answer
+  starts to come back (the client never sees it and retries a write that already landed);
+* ``stall``: the request is held for ``stall_seconds`` with no answer, then the connection is closed;
+* ``ok``: forwarded; while faults are on, closed after a short random lifetime (maybe mid-request), so
+  keep-alive clients keep meeting new fates.
+Only 127.0.0.1 is ever listened on or connected to. ``counts`` tells how many connections met each fate.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from collections import Counter
+from typing import Optional
+
+
+class FaultProxy:
+    FATES = ("reset", "slowdown", "lost", "stall", "ok")
+
+    def __init__(self, upstream_port: int, *, seed: int = 0, weights=(2, 2, 2, 1, 6), stall_seconds: float = 3.0):
+        self.upstream_port = upstream_port
+        self.rng = random.Random(seed)
+        self.weights = weights
+        self.stall_seconds = stall_seconds
+        self.faults = False
+        self.counts: Counter = Counter()
+        self.port: Optional[int] = None
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="faultproxy", daemon=True)
+
+    def __enter__(self) -> "FaultProxy":
+        self._thread.start()
+        self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        fate = self.rng.choices(self.FATES, self.weights)[0] if self.faults else "ok"
+        self.counts[fate] += 1
+        try:
+            if fate == "reset":
+                return _reset(cw)
+            if fate == "slowdown":
+                await cr.read(65536)
+                cw.write(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: 95\r\n"
+                         b"Connection: close\r\n\r\n<Error><Code>SlowDown</Code><Message>Please reduce your "
+                         b"request rate.</Message></Error>")
+                await cw.drain()
+                return cw.close()
+            if fate == "stall":
+                await cr.read(65536)
+                await asyncio.sleep(self.stall_seconds)
+                return _reset(cw)
+            ur, uw = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+            lifetime = self.rng.uniform(0.3, 2.0)
+            up = asyncio.ensure_future(_pipe(cr, uw))
+            if fate == "lost":
+                await ur.read(65536)                  # the server answered: it applied the request
+                up.cancel()
+                uw.close()
+                return _reset(cw)
+            down = asyncio.ensure_future(_pipe(ur, cw))
+            # under faults a healthy connection still ends soon (possibly mid-request: one more lost answer);
+            # without faults it lives until either side closes it
+            await asyncio.wait([up, down], timeout=lifetime if self.faults else None,
+                               return_when=asyncio.FIRST_COMPLETED)
+            for t in (up, down):
+                t.cancel()
+            uw.close()
+            cw.close()
+        except (ConnectionError, OSError, asyncio.CancelledError):
+            cw.close()
+
+
+async def _pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    while True:
+        data = await r.read(65536)
+        if not data:
+            break
+        w.write(data)
+        await w.drain()
+
+
+def _reset(w: asyncio.StreamWriter) -> None:
+    """Close with RST (SO_LINGER 0), as a dropped connection looks to the client."""
+    import socket
+    import struct
+    sock = w.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+    w.close()
