@@ -38,6 +38,12 @@ from .transfer import StepCopier, TransferStats
 log = logging.getLogger("ckptstore")
 
 
+# seconds a save may wait for the one listing of the remote its rewind check needs before the uploader has
+# listed it (issue 17: a save under network faults stalled training for the whole op_timeout, 4-6 s; with the
+# default 120 s op_timeout, up to two minutes against a remote that accepts connections and never answers)
+REWIND_LIST_SECONDS = 2.0
+
+
 class Uploader:
     """Uploads the committed steps of one local root. ``parts_only``: the root of a node other than rank 0's
     (node-local disks): upload its ranks' parts only (chunks, then manifests); rank 0's uploader writes the
@@ -58,6 +64,7 @@ class Uploader:
         self._current: Optional[int] = None
         self._error: Optional[BaseException] = None
         self._derived = False
+        self._listed: Optional[Tuple[Optional[int]]] = None      # newest_remote's one listing before _derived
         self._cond = threading.Condition()
         self._closing = False
         self._lease = None                           # the remote's writer lease (see ckptstore.lease)
@@ -93,15 +100,21 @@ class Uploader:
         answers ``None`` (the local root alone decides, as before this listing existed)."""
         if self._derived:
             return self.remote_newest
-        once = RetryPolicy(deadline=self.copier.retry.op_timeout, op_timeout=self.copier.retry.op_timeout)
+        if self._listed is not None:                 # listed (or failed to) by an earlier save of this process
+            return self._listed[0]
+        budget = min(self.copier.retry.op_timeout, REWIND_LIST_SECONDS)
+        once = RetryPolicy(deadline=budget, op_timeout=budget)
         try:
             steps = self.copier.call(lambda: Catalog(self.remote).committed_steps(),
                                      f"list steps of {self.remote.url}", policy=once)
         except Exception as e:
-            log.warning("could not list %s to check the step against its newest (%s: %s): judged against the "
-                        "local root only", self.remote.url, type(e).__name__, e)
+            log.warning("could not list %s within %.0f s to check the step against its newest (%s: %s): judged "
+                        "against the local root only until the uploader has listed it", self.remote.url, budget,
+                        type(e).__name__, e)
+            self._listed = (None,)
             return None
-        return steps[-1] if steps else None
+        self._listed = (steps[-1] if steps else None,)
+        return self._listed[0]
 
     def enqueue(self, step: int) -> None:
         self.start()
