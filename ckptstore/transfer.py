@@ -92,6 +92,9 @@ def _file_digest(path: str) -> Tuple[str, int]:
     return h.hexdigest(), n
 
 
+REMOTE_READS = 3       # reads of a remote object whose bytes fail their hash before it counts as damaged
+
+
 class StepCopier:
     """Copies steps from ``src`` to ``dst`` (two :class:`~ckptstore.storage.Storage`). Thread-safe.
 
@@ -232,13 +235,9 @@ class StepCopier:
         else:
             known = self._src_sizes.get(pack_id) if local is None else None
             limit = known + 1 if known is not None and known <= ONE_GET_MAX else None   # one GET, no HEAD
-            try:
-                payload = self.call(lambda: self.src.read_bytes(path, limit=limit), f"read pack {pack_id}")
-            except FileNotFoundError:
-                raise CorruptCheckpointError("pack missing", step=step, blob=path) from None
+            payload = self._read_checked(step, path, "pack", path, lambda: self.src.read_bytes(path, limit=limit),
+                                         lambda b: digest_bytes(b, threads=True) == pack_id)
             fetched = len(payload)
-            if digest_bytes(payload, threads=True) != pack_id:
-                raise CorruptCheckpointError("pack content does not match its hash", step=step, blob=path)
             if self.dst.exists(path):                 # damaged copy found above: replace it, atomically
                 self.call(lambda: self.dst.write_atomic(path, payload), f"replace pack {pack_id}")
                 wrote = True
@@ -250,6 +249,25 @@ class StepCopier:
         with self._lock:
             self.known_dst.add(key)
         return sent
+
+    def _read_checked(self, step: int, path: str, what: str, name: str, read, intact) -> bytes:
+        """``read()`` (under the retry policy) until ``intact(bytes)``: once from a local source, up to
+        ``REMOTE_READS`` times from a remote one, where bytes that fail their hash may have been damaged in
+        transfer rather than at rest (issue 17: one corrupted GET body sent resume to an older step, or to a
+        fresh start). Raises ``CorruptCheckpointError`` naming ``name`` when missing or never intact."""
+        tries = 1 if self.src.local_path(path) is not None else REMOTE_READS
+        for attempt in range(1, tries + 1):
+            try:
+                payload = self.call(read, f"read {what} {name}")
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"{what} missing", step=step, blob=name) from None
+            if intact(payload):
+                return payload
+            if attempt < tries:
+                log.warning("%s %s of %s does not match its hash: reading it again (%d of %d)", what, name,
+                            self.src.url, attempt + 1, tries)
+        raise CorruptCheckpointError(f"{what} content does not match its hash" +
+                                     (f" ({tries} reads)" if tries > 1 else ""), step=step, blob=name)
 
     def _copy_blob(self, step: int, blob_id: str, codec: str, nbytes: int,
                    stats: Optional[TransferStats] = None) -> int:
@@ -271,16 +289,13 @@ class StepCopier:
         if streamed:
             sent = fetched = self._put_verified_file(step, path, local, blob_id, nbytes, "blob", blob_id)
         else:
-            try:
-                payload = self.call(lambda: self.src.read_bytes(path), f"read blob {blob_id}")
-            except FileNotFoundError:
-                raise CorruptCheckpointError("blob missing", step=step, blob=blob_id) from None
-            try:
-                raw = payload if codec == "raw" else decompress(payload, nbytes)   # bounded by nbytes
-            except (ValueError, zstandard.ZstdError) as e:
-                raise CorruptCheckpointError(f"blob unreadable ({e})", step=step, blob=blob_id) from None
-            if len(raw) != nbytes or digest_bytes(raw) != blob_id:
-                raise CorruptCheckpointError("blob content does not match its hash", step=step, blob=blob_id)
+            def intact(b) -> bool:
+                try:
+                    raw = b if codec == "raw" else decompress(b, nbytes)           # bounded by nbytes
+                except (ValueError, zstandard.ZstdError):
+                    return False
+                return len(raw) == nbytes and digest_bytes(raw) == blob_id
+            payload = self._read_checked(step, path, "blob", blob_id, lambda: self.src.read_bytes(path), intact)
             wrote = self.call(lambda: self.dst.write_new(path, payload), f"write blob {blob_id}")
             sent, fetched = (len(payload) if wrote else 0), len(payload)
         if stats is not None:

@@ -7,6 +7,7 @@ fate drawn from a seeded generator:
 * ``lost``: the request reaches the server, which applies it, and the connection is reset as the answer
   starts to come back (the client never sees it and retries a write that already landed);
 * ``stall``: the request is held for ``stall_seconds`` with no answer, then the connection is closed;
+* ``corrupt_bodies = N`` (independent of ``faults``): the next N answers with a body have one byte flipped;
 * ``ok``: forwarded; while faults are on, closed after a short random lifetime (maybe mid-request), so
   keep-alive clients keep meeting new fates.
 Only 127.0.0.1 is ever listened on or connected to. ``counts`` tells how many connections met each fate.
@@ -29,6 +30,8 @@ class FaultProxy:
         self.weights = weights
         self.stall_seconds = stall_seconds
         self.faults = False
+        self.corrupt_bodies = 0                 # answers whose body gets one byte flipped (see _pipe_down)
+        self.corrupt_match = b""
         self.counts: Counter = Counter()
         self.port: Optional[int] = None
         self._loop = asyncio.new_event_loop()
@@ -55,6 +58,25 @@ class FaultProxy:
         self._ready.set()
         self._loop.run_forever()
 
+    async def _pipe_down(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, seen) -> None:
+        """Server -> client; while ``corrupt_bodies`` > 0, one byte of the body of a 200 or 206 answer carrying at least
+        64 bytes to a GET whose request line contains ``corrupt_match`` is flipped (a body damaged in transfer,
+        its length intact), and the count goes down."""
+        while True:
+            data = await r.read(65536)
+            if not data:
+                break
+            if (self.corrupt_bodies > 0 and data[:12] in (b"HTTP/1.1 200", b"HTTP/1.1 206") and seen
+                    and seen[-1].startswith(b"GET ") and self.corrupt_match in seen[-1]):
+                head_end = data.find(b"\r\n\r\n")
+                if head_end >= 0 and len(data) - (head_end + 4) >= 64:
+                    i = head_end + 4 + 32
+                    data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:]
+                    self.corrupt_bodies -= 1
+                    self.counts["corrupt"] += 1
+            w.write(data)
+            await w.drain()
+
     async def _handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
         fate = self.rng.choices(self.FATES, self.weights)[0] if self.faults else "ok"
         self.counts[fate] += 1
@@ -74,13 +96,14 @@ class FaultProxy:
                 return _reset(cw)
             ur, uw = await asyncio.open_connection("127.0.0.1", self.upstream_port)
             lifetime = self.rng.uniform(0.3, 2.0)
-            up = asyncio.ensure_future(_pipe(cr, uw))
+            seen = []                              # request lines sent on this connection, newest last
+            up = asyncio.ensure_future(_pipe(cr, uw, seen))
             if fate == "lost":
                 await ur.read(65536)                  # the server answered: it applied the request
                 up.cancel()
                 uw.close()
                 return _reset(cw)
-            down = asyncio.ensure_future(_pipe(ur, cw))
+            down = asyncio.ensure_future(self._pipe_down(ur, cw, seen))
             # under faults a healthy connection still ends soon (possibly mid-request: one more lost answer);
             # without faults it lives until either side closes it
             await asyncio.wait([up, down], timeout=lifetime if self.faults else None,
@@ -93,11 +116,13 @@ class FaultProxy:
             cw.close()
 
 
-async def _pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+async def _pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter, seen=None) -> None:
     while True:
         data = await r.read(65536)
         if not data:
             break
+        if seen is not None and data[:8].split(b" ")[0] in (b"GET", b"PUT", b"POST", b"HEAD", b"DELETE"):
+            seen.append(data.split(b"\r\n", 1)[0])
         w.write(data)
         await w.drain()
 

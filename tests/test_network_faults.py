@@ -107,3 +107,28 @@ def test_uploads_recover_in_the_same_process_once_the_network_heals(tmp_path, s3
         target = {"w": torch.zeros(50_000), "small": [], "step": 0}
         assert r.resume(target) == 18, "the remote did not catch up with the local store"
         assert torch.equal(target["w"], torch.full((50_000,), 18.0))
+
+
+def test_a_body_damaged_in_transfer_during_a_remote_resume_is_read_again(tmp_path, s3_bucket_url):
+    """Bytes of a GET that fail their hash may have been damaged on the way: the read is repeated before the
+    object counts as damaged, so resume still takes the newest step (before: an older one, or a fresh start)."""
+    import torch
+    from ckptstore import Store
+    from faultproxy import FaultProxy
+
+    url, opts = s3_bucket_url
+    with Store(tmp_path / "a", remote=url, storage_options=opts) as s:
+        for step in (1, 2):
+            s.save(_state(step), step)
+        s.wait_for_uploads(timeout=60)
+    upstream = int(opts["endpoint_url"].rsplit(":", 1)[1].split("/")[0])
+    with FaultProxy(upstream) as proxy:
+        popts = dict(opts, endpoint_url=proxy.endpoint,
+                     config_kwargs={"response_checksum_validation": "when_required"})
+        proxy.corrupt_bodies, proxy.corrupt_match = 1, b"/packs/"      # the newest step's pack, once
+        with Store(tmp_path / "b", remote=url, storage_options=popts, upload=False) as s:
+            target = {"w": torch.zeros(50_000), "small": [], "step": 0}
+            got = s.resume(target)
+        assert proxy.counts["corrupt"] == 1
+    assert got == 2
+    assert torch.equal(target["w"], torch.full((50_000,), 2.0)) and target["step"] == 2
