@@ -92,6 +92,9 @@ def step_dir(step: int) -> str:
     return f"{STEPS}/{check_step(step):012d}"
 
 
+MAX_GENERATION = 10 ** 9       # manifest and shard-map generations are below this
+
+
 def parse_step_dir(name: str):
     """``'000000000100'`` -> 100; anything else -> ``None``."""
     return int(name) if _STEP_DIR_RE.match(name) else None
@@ -101,7 +104,7 @@ def manifest_path(step: int, rank: int, gen: int = 0) -> str:
     """Path of one rank's manifest; ``gen`` > 0 for a manifest rewritten by a repack (format 2)."""
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 100000:
         raise ValueError(f"invalid rank {rank!r}")
-    if isinstance(gen, bool) or not isinstance(gen, int) or not 0 <= gen < 10**9:
+    if isinstance(gen, bool) or not isinstance(gen, int) or not 0 <= gen < MAX_GENERATION:
         raise ValueError(f"invalid manifest generation {gen!r}")
     suffix = f".g{gen}" if gen else ""
     return f"{step_dir(step)}/manifest-rank{rank:05d}{suffix}.msgpack"
@@ -116,7 +119,7 @@ def parse_manifest_name(name: str):
 def shards_path(step: int, gen: int = 0) -> str:
     """Path of a step's shard map (see :mod:`ckptstore.shardmap`); ``gen``: its commit's rank 0 manifest
     generation, so a re-saved step's new map never replaces the one its old commit marker names."""
-    if isinstance(gen, bool) or not isinstance(gen, int) or not 0 <= gen < 10**9:
+    if isinstance(gen, bool) or not isinstance(gen, int) or not 0 <= gen < MAX_GENERATION:
         raise ValueError(f"invalid shard map generation {gen!r}")
     return f"{step_dir(step)}/shards{f'.g{gen}' if gen else ''}.msgpack"
 

@@ -25,7 +25,7 @@ import zstandard
 from .blobs import decompress, digest_bytes, hash_stream
 from .catalog import Catalog, ManifestCache
 from .errors import CheckpointError, CorruptCheckpointError, UploadError
-from .layout import blob_path, commit_path, manifest_path, pack_path, shards_path
+from .layout import MAX_GENERATION, blob_path, commit_path, manifest_path, pack_path, shards_path
 from . import lease
 from .lease import WriterOp, read_epoch
 from .manifest import ChunkRef, Commit, Manifest, encode_commit, encode_manifest
@@ -482,6 +482,9 @@ class StepCopier:
         for rank, data, m in manifests:
             if any(c.pack in ranged for c in m.chunk_refs()):
                 gen = max(commit.manifests[rank][2], local_gens.get(rank, -1)) + 1
+                if gen >= MAX_GENERATION:   # a generation no run reaches (one per repack): hostile input
+                    raise CorruptCheckpointError(f"manifest generation {gen - 1} of rank {rank} leaves no room "
+                                                 "for the pulled copy's", step=step)
                 local = repoint(m, ranged, new)
                 data = encode_manifest(local)
                 entries[rank] = (bytes.fromhex(digest_bytes(data)), len(data), gen)

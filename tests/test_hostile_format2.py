@@ -183,3 +183,26 @@ def test_a_foreign_exception_on_one_rank_ends_in_the_agreement_not_a_hang(two_ra
     # rank 1 leaves with its own error, or (when rank 0, which hosts the job's TCPStore, exits first) with the
     # verdict's read cut short: either way at once
     assert out[1] is None or out[1]["result"] == "error", out[1]
+
+
+def test_a_ranged_pull_of_a_step_at_the_last_manifest_generation_falls_back(tmp_path):
+    """A remote step whose manifest claims the highest generation there is: its ranged pull would write
+    generation g+1, which does not exist (a ValueError escaped resume). It is a damaged step now."""
+    import test_pull as P
+    from helpers import rewrite_frame, step_dir
+
+    remote = tmp_path / "remote"
+    P.run(tmp_path / "run", (str(remote), {}))
+    top = 10 ** 9 - 1
+    sd = step_dir(remote, P.LAST)
+    (sd / "manifest-rank00000.msgpack").rename(sd / f"manifest-rank00000.g{top}.msgpack")
+
+    def claim_top(body):
+        for ref in body["manifests"]:
+            if ref[0] == 0:
+                ref[3:] = [top]
+    rewrite_frame(sd / "COMMIT", claim_top)
+    shutil.rmtree(tmp_path / "run")
+    s, state, step = P.resume(tmp_path / "run", (str(remote), {}))
+    with s:
+        assert step == 6 and P.same(state, P.state_at(6))
