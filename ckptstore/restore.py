@@ -296,6 +296,8 @@ class StepLoader:
             self._futures += read_chunks(self.blobs.storage, self._packed, executor=self.executor,
                                          gap=self.blobs.storage.coalesce_gap)
             wait_all(self._futures)
+        if self._map not in (False, None):   # read for this load: the tree comes from base, is it whole?
+            self._map.check_rank_keys(base.rank, [n.path for n in base.nodes if n.kind == "dtensor"], step)
         try:
             return unflatten(nodes)
         except (ValueError, TypeError, KeyError, IndexError) as e:

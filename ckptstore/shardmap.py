@@ -162,6 +162,18 @@ class ShardMap:
         except (ValueError, TypeError, KeyError) as e:
             raise CorruptCheckpointError(f"invalid shard map: {e}", step=step, blob=what) from None
 
+    def check_rank_keys(self, rank: int, paths: Sequence[KeyPath], step: int) -> None:
+        """Raise ``CorruptCheckpointError`` unless ``paths`` (the sharded keys in ``rank``'s manifest) are exactly
+        the keys the map says ``rank`` saved shards of: a manifest that lost a sharded key (or gained one) must
+        not load as a tree without it (found by the format-2 fuzz, issue 17)."""
+        from .errors import CorruptCheckpointError
+        have = {key_hash(p) for p in paths}
+        want = {h for h, shards in self._boxes.items() if any(r == rank for r, _ in shards)}
+        if have != want:
+            raise CorruptCheckpointError(f"rank {rank}'s manifest holds {len(have)} sharded keys, the step's shard "
+                                         f"map says {len(want)} ({len(want - have)} missing, {len(have - want)} "
+                                         "unknown)", step=step)
+
     def ranks(self, path: KeyPath, global_shape: Tuple[int, ...], box: Box, prefer: int) -> Optional[List[int]]:
         """The saved ranks whose shards of ``path`` overlap ``box`` (one rank per replicated box, ``prefer``
         first), by bisection on dim 0; ``None`` when the map does not know the key."""
