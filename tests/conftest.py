@@ -22,3 +22,15 @@ def reference(tmp_path_factory):
     assert sorted(log) == list(range(1, N_REF + 1)) and all(len(v) == 1 for v in log.values())
     save_s = statistics.median(float(m.group(2)) for m in map(_SAVED.match, c.lines) if m)
     return {s: v[0] for s, v in log.items()}, save_s
+
+
+@pytest.fixture(scope="session")
+def fsdp_two_rank_store(tmp_path_factory):
+    """A store holding steps 1 and 2 of a 2-rank FSDP2 + AdamW run (gloo on 127.0.0.1, tests/dist_worker.py).
+    Shared: tests copy it before damaging anything."""
+    from dist import Job
+    root = tmp_path_factory.mktemp("fsdp2") / "store"
+    out = Job(2, "--mode", "train", "--store", str(root), "--steps", "2",
+              "--log", str(root.parent / "log")).wait(180)
+    assert all(r and r.get("close") == "ok" for r in out.values()), out
+    return root

@@ -15,18 +15,14 @@ import pytest
 import torch
 
 from ckptstore import CheckpointError, Store
-from dist import Job
 from helpers import rewrite_frame, rewrite_manifest, step_dir
 
 CASES = int(os.environ.get("CKPTSTORE_FUZZ_SHARD_CASES", "120"))
 
 
-@pytest.fixture(scope="module")
-def template(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fuzzshards") / "store"
-    out = Job(2, "--mode", "train", "--store", str(root), "--steps", "2",
-              "--log", str(root.parent / "log")).wait(180)
-    assert all(r and r.get("close") == "ok" for r in out.values()), out
+@pytest.fixture
+def template(fsdp_two_rank_store):
+    root = fsdp_two_rank_store
     with Store(root, rank=0, world_size=1) as s:
         step = s.steps()[-1]
         expected = s.load(step)

@@ -19,14 +19,9 @@ from helpers import rewrite_manifest
 KEY = ["app", "model", "blocks.0.0.weight"]          # FSDP2 shards it on dim 0: rank 0 rows 0-11, rank 1 12-23
 
 
-@pytest.fixture(scope="module")
-def two_rank_store(tmp_path_factory):
-    """A 2-rank FSDP2 + AdamW run (gloo, 127.0.0.1) that committed steps 1 and 2."""
-    root = tmp_path_factory.mktemp("fsdp") / "store"
-    out = Job(2, "--mode", "train", "--store", str(root), "--steps", "2",
-              "--log", str(root.parent / "log")).wait(180)
-    assert all(r and r.get("close") == "ok" for r in out.values()), out
-    return root
+@pytest.fixture
+def two_rank_store(fsdp_two_rank_store):
+    return fsdp_two_rank_store
 
 
 def _copy(src, tmp_path):
@@ -134,7 +129,6 @@ def test_a_chunk_range_past_the_end_of_a_remote_pack_is_damage_not_a_retry(tmp_p
     remote = open_storage(url, opts)
 
     def past_the_end(body):
-        pack_ids = body["packs"]
         for n in body["nodes"]:
             if n[1] == "tensor":
                 for c in n[2]["chunks"]:
