@@ -21,6 +21,7 @@ turns groups into packs, and :func:`read_chunks` turns chunk references into ver
 """
 from __future__ import annotations
 
+import logging
 import mmap
 import threading
 from collections import defaultdict
@@ -36,6 +37,7 @@ from .layout import pack_path
 from .manifest import ChunkRef
 
 PAGE = 4096
+log = logging.getLogger("ckptstore")
 MAX_SPAN = 16 << 20      # a coalesced ranged read is at most this long (or one chunk)
 
 
@@ -206,8 +208,12 @@ def coalesce(items: Sequence[ReadItem], *, gap: int, max_span: int) -> List[Tupl
     return spans
 
 
-def _corrupt(msg: str, it: ReadItem) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"{msg} (pack {it.ref.pack}, bytes [{it.ref.offset}, "
+class _BytesDamaged(CorruptCheckpointError):
+    """A chunk's stored bytes were read but are wrong (hash, size or codec): at rest, or in transfer."""
+
+
+def _corrupt(msg: str, it: ReadItem, cls=CorruptCheckpointError) -> CorruptCheckpointError:
+    return cls(f"{msg} (pack {it.ref.pack}, bytes [{it.ref.offset}, "
                                   f"{it.ref.offset + it.ref.stored}))", step=it.step, key=it.key, blob=it.ref.blob_id)
 
 
@@ -216,17 +222,17 @@ def _finish(it: ReadItem, stored: memoryview) -> None:
     ref = it.ref
     if ref.codec == "zstd":
         if not zstd_claim_possible(ref.stored, ref.nbytes):
-            raise _corrupt(f"{ref.stored} bytes of zstd cannot hold {ref.nbytes} bytes", it)
+            raise _corrupt(f"{ref.stored} bytes of zstd cannot hold {ref.nbytes} bytes", it, _BytesDamaged)
         try:
             got = decompress_into(stored, it.out)           # bounded by the declared size, streaming
         except (zstandard.ZstdError, ValueError) as e:
-            raise _corrupt(f"chunk unreadable ({e})", it) from None
+            raise _corrupt(f"chunk unreadable ({e})", it, _BytesDamaged) from None
         if got != ref.nbytes:
-            raise _corrupt(f"chunk decodes to {got} bytes, expected {ref.nbytes}", it)
+            raise _corrupt(f"chunk decodes to {got} bytes, expected {ref.nbytes}", it, _BytesDamaged)
     elif stored is not None:
         it.out[:] = stored
     if digest_bytes(it.out, threads=True) != ref.blob_id:
-        raise _corrupt("chunk content does not match its hash", it)
+        raise _corrupt("chunk content does not match its hash", it, _BytesDamaged)
 
 
 def _span_read(read, first: ReadItem) -> int:
@@ -304,5 +310,24 @@ def read_chunks(storage, items: Sequence[ReadItem], *, executor: Executor, gap: 
     futures = []
     for pack, its in by_pack.items():
         for offset, length, span in coalesce(its, gap=gap, max_span=max_span):
-            futures.append(executor.submit(_read_span, storage, pack, offset, length, span))
+            futures.append(executor.submit(_read_span_checked, storage, pack, offset, length, span))
     return futures
+
+
+REMOTE_READS = 3       # reads of a remote span whose chunks fail their hash before the chunk counts as damaged
+
+
+def _read_span_checked(storage, pack: str, offset: int, length: int, items: List[ReadItem]) -> None:
+    """:func:`_read_span`, read again (up to ``REMOTE_READS`` times in all) when the storage is remote and a
+    chunk's bytes are wrong (hash, size, codec): they may have been damaged in transfer, not at rest (issue 17:
+    one damaged GET body sent resume to an older step). A local read, a pack missing or short, is final at once;
+    the last failure is raised as the :class:`CorruptCheckpointError` it is."""
+    tries = 1 if storage.local_path(pack_path(pack)) is not None else REMOTE_READS
+    for attempt in range(1, tries + 1):
+        try:
+            return _read_span(storage, pack, offset, length, items)
+        except _BytesDamaged as e:
+            if attempt == tries:
+                raise
+            log.warning("pack %s of %s: %s; reading the span again (%d of %d)", pack, storage.url, e,
+                        attempt + 1, tries)
