@@ -261,7 +261,7 @@ def ls_cmd(root, remote, as_json, metric, mode, storage_options):
             else:
                 u = usage[name][step]
                 row.update(created=c.created, world_size=c.world_size, bytes_total=c.bytes_total,
-                           bytes_unique=u.bytes_unique, metrics=c.metrics)
+                           bytes_unique=u.bytes_unique, metrics=c.metrics, names=list(c.names))
                 if u.error:
                     row["error"] = u.error
         rows.append(row)
@@ -291,7 +291,9 @@ def ls_cmd(root, remote, as_json, metric, mode, storage_options):
                       str(r.get("world_size", "")),
                       _human(r["bytes_total"]) if "bytes_total" in r else "",
                       _human(r["bytes_unique"]) if r.get("bytes_unique") is not None else "",
-                      _t(_metrics_text(r.get("metrics"))), *([_t(r.get("location", ""))] if remote else []))
+                      _t(" ".join(filter(None, [_metrics_text(r.get("metrics")),
+                                                ", ".join(f"name={n}" for n in r.get("names") or [])]))),
+                      *([_t(r.get("location", ""))] if remote else []))
     console.print(table)
 
 
@@ -367,12 +369,15 @@ def show_cmd(root, step, step_opt, rank, values, as_json, metric, mode, storage_
     if as_json:
         doc = {"step": step, "world_size": commit.world_size, "rank": rank, "created": commit.created,
                "bytes_total": commit.bytes_total, "writer": commit.writer, "metrics": commit.metrics,
+               "names": list(commit.names),
                "config": commit.config, "mesh": meshes, "ranks": ranks, "shard_map": shard_map, "keys": keys}
         click.echo(redact(json.dumps(doc, indent=1, default=str)))
         return
     console.print(_t(f"step {step}  {_created(commit.created)} UTC  world size {commit.world_size}  "
                      f"{_human(commit.bytes_total)} in all"))
     console.print(_t(f"written by {commit.writer or '?'}"))
+    if commit.names:
+        console.print(_t("names: " + ", ".join(commit.names)))
     if commit.metrics:
         console.print(_t("metrics: " + json.dumps(commit.metrics, default=str)))
     if commit.config:

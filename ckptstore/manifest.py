@@ -149,6 +149,7 @@ class Commit:
     run_id: str = ""                              # the run's stable id ("" in markers written before it)
     best: Optional[Dict[str, str]] = None         # {"metric": str, "mode": "min"|"max"}: the best criterion
     shards: Optional[Tuple[bytes, int, int]] = None   # the shard map's (blake3 digest, size, generation)
+    names: Tuple[str, ...] = ()                   # the step's names (e.g. a trainer's checkpoint paths), sorted
 
 
 # -- framing ------------------------------------------------------------------------------------------------
@@ -448,7 +449,8 @@ def encode_commit(c: Commit) -> bytes:
                             "metrics": c.metrics, "config": c.config, "writer": c.writer,
                             **({"run_id": c.run_id} if c.run_id else {}),
                             **({"best": dict(c.best)} if c.best else {}),
-                            **({"shards": list(c.shards)} if c.shards else {})})
+                            **({"shards": list(c.shards)} if c.shards else {}),
+                            **({"names": sorted(c.names)} if c.names else {})})
     if len(data) > MAX_COMMIT_BYTES:
         raise ValueError(f"step {c.step}: commit marker of {len(data)} bytes exceeds {MAX_COMMIT_BYTES} "
                          "(metrics and config must be small)")
@@ -500,9 +502,33 @@ def decode_commit(data: bytes, *, step: int, what: str) -> Commit:
         return Commit(step=check_step(step), world_size=world_size, manifests=manifests, created=float(created),
                       bytes_total=_int(body.get("bytes_total", 0), "bytes_total"), metrics=metrics,
                       config=config, writer=str(body.get("writer", "")), run_id=run_id, best=best,
-                      shards=shards)
+                      shards=shards, names=_names(body.get("names", [])))
     except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError) as e:
         raise CorruptCheckpointError(f"invalid commit marker: {e}", step=step, blob=what) from None
+
+
+MAX_NAMES, MAX_NAME_CHARS = 64, 1024
+
+
+def check_names(names) -> Tuple[str, ...]:
+    """A step's names, sorted and unique: at most ``MAX_NAMES`` non-empty strings of at most ``MAX_NAME_CHARS``
+    characters each, no NUL. Raises ``ValueError`` naming the first bad one."""
+    if isinstance(names, (str, bytes)) or not isinstance(names, (list, tuple, set, frozenset)):
+        raise ValueError(f"names must be a list of strings, got {type(names).__name__}")
+    out = set()
+    for n in names:
+        if not isinstance(n, str) or not 0 < len(n) <= MAX_NAME_CHARS or "\x00" in n:
+            raise ValueError(f"bad step name {n!r:.80} (a non-empty str of at most {MAX_NAME_CHARS} characters)")
+        out.add(n)
+    if len(out) > MAX_NAMES:
+        raise ValueError(f"{len(out)} names for one step; at most {MAX_NAMES}")
+    return tuple(sorted(out))
+
+
+def _names(raw) -> Tuple[str, ...]:
+    if not isinstance(raw, list):
+        raise ValueError(f"bad names {raw!r:.80}")
+    return check_names(raw)
 
 
 _RUN_ID_RE = re.compile(r"^[0-9A-Za-z_.-]{0,128}$")     # uuid4 hex as written; "" for older markers
