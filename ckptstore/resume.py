@@ -28,7 +28,7 @@ Tier = Tuple[int, str]          # (step, "local" | "remote")
 
 def first_valid_step(list_candidates: Callable[[], List[Tier]], attempt: Callable[[int, str], str], *,
                      coord: Optional[Coordinator] = None, tag: Optional[str] = None,
-                     timeout: float = 600.0) -> Optional[Tier]:
+                     timeout: float = 600.0, substitute: bool = True) -> Optional[Tier]:
     """Load the newest candidate step that loads on every rank; return ``(step, tier)`` or ``None``.
 
     ``list_candidates()`` -> ``[(step, tier), ...]`` newest first; called on rank 0 only under a coordinator
@@ -36,6 +36,8 @@ def first_valid_step(list_candidates: Callable[[], List[Tier]], attempt: Callabl
     it really came from (a damaged local step repaired from the remote is ``"remote"``); it raises
     ``CheckpointError`` for a step that cannot be used (the next one is tried) and
     ``IncompatibleCheckpointError`` for one that must not be skipped (raised on every rank at once).
+    ``substitute=False`` (a step chosen by the caller): a candidate that fails is raised on every rank, not
+    skipped.
     """
     tiers: Optional[List[Tier]] = None
     if coord is None or coord.rank == 0:
@@ -56,7 +58,7 @@ def first_valid_step(list_candidates: Callable[[], List[Tier]], attempt: Callabl
             error, fatal = e, True    # wait for this one until the timeout), then is raised on every rank
         if coord is not None:
             error, fatal = agree_outcome(coord, f"{tag}/{i}", step, error, fatal, timeout)
-        if fatal:
+        if fatal or (error is not None and not substitute):
             raise error
         if error is not None:
             log.warning("cannot resume from step %d, trying an older step: %s", step, error)

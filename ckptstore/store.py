@@ -26,7 +26,7 @@ from .gc import GCReport, collect
 from .index import ChunkIndex
 from .lease import WriterOp, acquire_writer, read_epoch
 from .layout import check_step, manifest_path, pack_path
-from .manifest import Commit, Manifest, ManifestNode, ArrayEntry, decode_commit, encode_commit
+from .manifest import Commit, Manifest, ManifestNode, ArrayEntry, check_names, decode_commit, encode_commit
 from .packs import PackBuffers, Packing, ReadItem, read_chunks
 from .pointers import read_latest, write_latest, clear_latest
 from .reader import MapLocation, read_nodes, stored_sizes
@@ -194,6 +194,10 @@ class Store:
         upload_workers: parallel blob uploads. upload_retry: a :class:`~ckptstore.retry.RetryPolicy`
             (deadline and per-attempt timeout in seconds). upload_backlog: steps allowed to wait for upload.
         upload: ``False`` to use ``remote`` only to read from (resume, :meth:`pull`), never to write to it.
+        read_only: open the store to read only (a rank that only loads, a second process inspecting a run):
+            no uploader, no writer lease, no retention; a step only the remote holds is read straight from it,
+            never pulled into ``root``. :meth:`save`, :meth:`pull`, :meth:`gc` and :meth:`delete_step` raise
+            ``CheckpointError``.
     """
 
     def __init__(self, root, *, config: Optional[Mapping[str, Any]] = None,
@@ -207,7 +211,7 @@ class Store:
                  upload_workers: int = 8, upload_retry: Optional[RetryPolicy] = None, upload_backlog: int = 8,
                  upload: bool = True, packing: Optional[Packing] = None,
                  commit_timeout: Optional[float] = None, keep: Optional[Retention] = None,
-                 on_rewind: str = "error"):
+                 on_rewind: str = "error", read_only: bool = False):
         if codec not in CODECS:
             raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
         if not isinstance(chunk_size, int) or chunk_size < 4096:
@@ -262,6 +266,8 @@ class Store:
         self._epoch = None                          # gc epoch seen at the last save (see ckptstore.lease)
         self._save_gen = 0                          # manifest generation the save in flight writes
         self._closed = False
+        self.read_only = bool(read_only)
+        self._save_names: Tuple[str, ...] = ()      # names the save in flight records in its commit marker
         self.storage_options = dict(storage_options or {})
         self.load_path = load_path
         self.load_components = tuple(load_components) if load_components is not None else None
@@ -281,6 +287,7 @@ class Store:
         self._upload_retry = upload_retry or RetryPolicy()
         if remote is not None:
             self.remote_storage = open_storage(remote, self.storage_options)
+            upload = upload and not self.read_only
             self._upload_args = dict(workers=upload_workers, retry=self._upload_retry, max_backlog=upload_backlog,
                                      on_uploaded=self._after_upload) if upload else None
             # started after resume() (or at the first save / wait / close): see Uploader.start
@@ -307,7 +314,7 @@ class Store:
 
     # -- saving -------------------------------------------------------------------------------------------
     def save(self, state: Mapping[str, Any], step: int, *, metrics: Optional[Mapping[str, Any]] = None,
-             blocking: bool = True):
+             blocking: bool = True, names: Iterable[str] = ()):
         """Save ``state`` as ``step`` and commit it.
 
         ``state`` maps names to Stateful objects, tensors, numpy arrays, and nested dict/list/tuple of those and
@@ -316,6 +323,12 @@ class Store:
         to): else ``IncompatibleCheckpointError`` naming both steps, unless ``Store(on_rewind="truncate")``,
         which first drops the later steps and then saves (re-saving a committed step writes a new manifest
         generation; the old one stays intact until the new commit marker replaces it).
+
+        ``names``: names for the step (a trainer's checkpoint paths, ``"best"``), recorded in its commit marker
+        and shown by ``ckptstore ls / show``; :meth:`find` finds a step by name. Saving the newest committed
+        step again *with names* is not a rewind: the step is re-saved (a new manifest generation, the values
+        given now) and keeps the names it had plus the new ones, one commit with several names (Lightning saves
+        one global step under its top-k path, then as ``last.ckpt``).
 
         ``blocking=True`` (default): returns a :class:`SaveResult` once the step is committed and durable on
         local disk. ``blocking=False``: returns a :class:`SaveHandle` as soon as every changed tensor is copied
@@ -334,6 +347,7 @@ class Store:
         ``OSError`` from the disk (the step then stays invisible); ``CommitError`` as above.
         """
         self._check_open()
+        self._check_writable("save")
         self.wait()        # one save in flight; surfaces an earlier failure (a collective one: on every rank)
         t0 = time.perf_counter()
         tag = self._coord.next_tag(f"save/{step}") if self._coord is not None else None
@@ -343,8 +357,9 @@ class Store:
                 self._uploader.raise_if_failed()      # an upload failure is never swallowed
             check_step(step)
             metrics = normalize(metrics or {}, "metrics")
+            names = check_names(names)
             op = self._begin_write(step)               # before the index: see ckptstore.lease
-            self._check_rewind(step)                   # holds the writer lease: may truncate the later steps
+            self._save_names = self._check_rewind(step, names)   # holds the writer lease: may truncate
             self._index.prepare(self.catalog, self.rank)   # before the snapshot: it decides what is unchanged
             with gc_paused():     # the snapshot is short and allocation-heavy: no heap-wide GC pass mid-stall
                 nodes, stateful, specs = self._snapshot(state, blocking)
@@ -418,12 +433,21 @@ class Store:
         remote = uploader.newest_remote() if uploader is not None and not uploader.parts_only else None
         return newest_of(self.catalog.committed_steps(), remote)
 
-    def _check_rewind(self, step: int) -> None:
+    def _check_rewind(self, step: int, names: Tuple[str, ...]) -> Tuple[str, ...]:
         """``save`` of a step not newer than the newest committed one: raise (``on_rewind="error"``) or drop
         the later steps first (``"truncate"``); see :mod:`ckptstore.rewind`. Under torch.distributed each rank
-        checks its own root (and rank 0 the remote); a refusal reaches every rank as ``CommitError``."""
-        if must_truncate(step, self._newest_committed(), self.on_rewind):
+        checks its own root (and rank 0 the remote); a refusal reaches every rank as ``CommitError``. The
+        newest committed step saved again with ``names`` is a re-save, not a rewind. Returns the names the new
+        commit marker records: ``names`` plus those of the commit it replaces."""
+        newest = self._newest_committed()
+        if names and step == newest and self.catalog.is_committed(step):
+            try:
+                return tuple(sorted(set(names) | set(self.catalog.read_commit(step).names)))
+            except CorruptCheckpointError:
+                return names
+        if must_truncate(step, newest, self.on_rewind):
             self._truncate_after(step)
+        return names
 
     def _truncate_after(self, step: int) -> None:
         """Drop every committed step newer than ``step``: the uploader is held still (waiting steps newer than
@@ -645,7 +669,7 @@ class Store:
         return Commit(step=step, world_size=self.world_size, manifests=manifests, created=time.time(),
                       bytes_total=bytes_total, metrics=dict(metrics), config=self.config,
                       writer=f"ckptstore {__version__}", run_id=self.run_id,
-                      best=self.keep.criterion if self.keep is not None else None)
+                      best=self.keep.criterion if self.keep is not None else None, names=self._save_names)
 
     # -- run identity and the best step -------------------------------------------------------------------
     @property
@@ -789,42 +813,171 @@ class Store:
             f"checkpoint was written by world_size={commit.world_size}, this run has "
             f"world_size={self.world_size}: load() reads one rank's part; resume() reshards", step=commit.step)
 
-    def _read(self, step: int, *, map_location: MapLocation, rank: Optional[int] = None) -> Dict[str, Any]:
-        """One rank's part of a committed step as a nested dict, sharded values as full tensors. A
-        single-process store may read any rank's part (inspection); a rank of a run reads its own part only if
-        the world size matches."""
-        commit = self.catalog.read_commit(step)
+    def _read(self, step: int, *, map_location: MapLocation, rank: Optional[int] = None,
+              tier: str = "local") -> Dict[str, Any]:
+        """One rank's part of a committed step as a nested dict, sharded values as full tensors, read from the
+        local root or (``tier="remote"``) straight from the remote. A single-process store may read any rank's
+        part (inspection); a rank of a run reads its own part only if the world size matches."""
+        catalog, blobs = (self.catalog, self.blobs) if tier == "local" else self._remote_reader()
+        commit = catalog.read_commit(step)
         rank = self.rank if rank is None else rank
         if commit.world_size != self.world_size and rank == self.rank and self.world_size != 1:
             raise self._world_size_error(commit)
         if not 0 <= rank < commit.world_size:
             raise CheckpointError(f"step {step} was written by world_size={commit.world_size}: no rank {rank}")
-        loader = StepLoader(self.catalog, self.blobs, commit, rank=rank, world_size=commit.world_size,
+        loader = StepLoader(catalog, blobs, commit, rank=rank, world_size=commit.world_size,
                             executor=self._pool, read_nodes=self._read_nodes)
         with gc_paused():
             return loader.load(loader.saved_keys(), {}, map_location=map_location)
 
+    def _remote_reader(self) -> Tuple[Catalog, BlobStore]:
+        """The remote's catalog and blobs for reading a step in place (its reads retried, see
+        :func:`~ckptstore.storage.retrying.with_read_retries`)."""
+        remote = with_read_retries(self.remote_storage, self._upload_retry)
+        return Catalog(remote, self._decoded), BlobStore(remote, quarantine=False)
+
+    def _tier_of(self, step: int) -> Optional[str]:
+        """Where committed ``step`` is: ``"local"``, else ``"remote"``, else ``None``."""
+        if self.catalog.is_committed(step):
+            return "local"
+        if self.remote_storage is not None and _quiet(lambda: Catalog(with_read_retries(
+                self.remote_storage, self._upload_retry), self._decoded).is_committed(step)):
+            return "remote"
+        return None
+
     def load(self, step: Optional[int] = None, map_location: MapLocation = "cpu", *,
              rank: Optional[int] = None) -> Dict[str, Any]:
         """Load a committed step into a nested dict of tensors, arrays and plain values (Stateful objects'
-        ``state_dict()`` as saved). ``step=None``: the newest *valid* step (older ones are tried, with a
-        warning, when the newest is corrupt). An explicit ``step`` is never substituted.
+        ``state_dict()`` as saved). ``step=None``: the newest *valid* step over the local root and the remote
+        (older ones are tried, with a warning, when the newest is corrupt). An explicit ``step`` is never
+        substituted. A step only the remote holds is read straight from it (nothing is written locally).
+        Not collective: any rank may call it alone.
 
         Raises ``CorruptCheckpointError`` (naming step, key and blob), ``IncompatibleCheckpointError``, or
-        ``FileNotFoundError`` when the store holds no committed step / not this step.
+        ``FileNotFoundError`` when neither tier holds a committed step / this step.
         """
         self._check_open()
         if step is not None:
             check_step(step)
-            if not self.catalog.is_committed(step):
-                raise FileNotFoundError(f"step {step} is not committed in {self.root}")
-            return self._read(step, map_location=map_location, rank=rank)
-        for s in reversed(self.catalog.committed_steps()):
+            tier = self._tier_of(step)
+            if tier is None:
+                raise FileNotFoundError(f"step {step} is not committed in {self.root}"
+                                        + (f" or {self.remote_storage.url}" if self.remote_storage else ""))
+            return self._read(step, map_location=map_location, rank=rank, tier=tier)
+        for s, tier in self._candidates():
             try:
-                return self._read(s, map_location=map_location, rank=rank)
+                return self._read(s, map_location=map_location, rank=rank, tier=tier)
             except CorruptCheckpointError as e:
-                log.warning("step %d is corrupt, trying an older one: %s", s, e)
-        raise FileNotFoundError(f"no valid committed step in {self.root}")
+                log.warning("step %d (%s) is corrupt, trying an older one: %s", s, tier, e)
+        raise FileNotFoundError(f"no valid committed step in {self.root}"
+                                + (f" or {self.remote_storage.url}" if self.remote_storage else ""))
+
+    def _candidates(self) -> List[Tuple[int, str]]:
+        """``(step, tier)`` newest first over the local root and the remote (see :meth:`_listing`)."""
+        return self._listing(Catalog(self.remote_storage, self._decoded) if self.remote_storage else None)[0]
+
+    def _listing(self, remote_catalog: Optional[Catalog]) -> Tuple[List[Tuple[int, str]], bool]:
+        """``(candidates newest first, remote reachable)`` (:func:`ckptstore.resolve.candidates`); an unreachable
+        remote is logged and the local steps alone are listed: it must not block a local resume."""
+        try:
+            return list(candidates(self.catalog, remote_catalog)), True
+        except Exception as e:
+            if remote_catalog is None:
+                raise
+            log.warning("remote %s unreachable (%s: %s): local steps only", self.remote_storage.url,
+                        type(e).__name__, e)
+            return [(s, "local") for s in reversed(self.catalog.committed_steps())], False
+
+    def find(self, name: str) -> Optional[int]:
+        """The newest committed step (local, else remote) whose commit marker carries ``name`` (see ``save(...,
+        names=)``), or ``None``. Reads one commit marker per step, newest first; damaged markers are skipped."""
+        for s, tier in self._candidates():
+            catalog = self.catalog if tier == "local" else self._remote_reader()[0]
+            try:
+                if name in catalog.read_commit(s).names:
+                    return s
+            except CheckpointError:
+                continue
+        return None
+
+    def resolve(self) -> Optional[Tuple[int, str]]:
+        """The step :meth:`resume` would start from, without loading it: ``(step, tier)`` with ``tier`` one of
+        ``"local"``, ``"remote"``, ``"load_path"`` (``step`` is ``None`` when ``load_path`` names Hub-format
+        weights), or ``None`` for a fresh start. A candidate counts when its commit marker reads and checks
+        (digest, format) and, for the local root, this rank's manifest is there: one listing and about one
+        marker read per tier; chunks are verified by the load itself (:meth:`restore` still falls back to
+        an older step if they are damaged). Under torch.distributed it is collective: rank 0 decides and every
+        rank gets its answer."""
+        self._check_open()
+
+        def usable(s, tier) -> bool:
+            catalog = self.catalog if tier == "local" else self._remote_reader()[0]
+            try:
+                commit = catalog.read_commit(s)
+                rank = self.rank if commit.world_size == self.world_size else 0
+                if tier == "local" and rank in commit.manifests and not self.storage.exists(
+                        manifest_path(s, rank, commit.manifests[rank][2])):
+                    raise CorruptCheckpointError(f"manifest of rank {rank} missing", step=s)
+                return True
+            except CheckpointError as e:
+                log.warning("step %d (%s) is not usable: %s", s, tier, e)
+                return False
+
+        def decide():
+            for s, tier in self._candidates():
+                if usable(s, tier):
+                    return [s, tier]
+                if tier == "local" and self.remote_storage is not None and usable(s, "remote"):
+                    return [s, "remote"]          # resume repairs a damaged local step from the remote
+            if self.load_path is not None:
+                url, step = split_load_path(self.load_path)
+                if step is None and hub.open_weights(url, self.storage_options) is not None:
+                    return [None, "load_path"]
+                catalog = Catalog(with_read_retries(open_storage(url, self.storage_options), self._upload_retry))
+                for s in ([step] if step is not None else reversed(catalog.committed_steps())):
+                    if _quiet(lambda: catalog.read_commit(s) is not None):
+                        return [s, "load_path"]
+            return None
+        if self._coord is None:
+            found = decide()
+        else:
+            tag = self._coord.next_tag("resolve")
+            found = self._coord.broadcast(f"{tag}/found", {"found": decide() if self.rank == 0 else None},
+                                          self.collective_timeout)["found"]
+        return None if found is None else (found[0], str(found[1]))
+
+    def restore(self, state: MutableMapping[str, Any], step: Optional[int] = None, *,
+                keys: Optional[Iterable[str]] = None, strict: bool = True, rank_local: str = "error") -> int:
+        """Load a chosen committed step into ``state`` in place and return it: ``step=None`` is the newest
+        valid step over the local root and the remote (an older one is taken, logged, when it is damaged);
+        an explicit ``step`` is never substituted. Unlike :meth:`resume` it never falls back to ``load_path``
+        or to a fresh start.
+
+        ``keys``: restore only these top-level keys of ``state`` (each must be in the step and in ``state``;
+        the others keep their values): a trainer that restores model, optimizer and RNG at different moments
+        calls it once per group. ``strict`` (without ``keys``): the top-level keys of ``state`` and the step
+        must match. Values are applied as by :meth:`resume`: Stateful objects get ``load_state_dict``, DTensor
+        targets are filled in place and resharded to this run's mesh, a step only the remote holds is pulled
+        (read straight from the remote by a ``read_only`` store). Collective under torch.distributed, as
+        ``resume`` is. ``resumed_from`` tells where it came from.
+
+        Raises ``FileNotFoundError`` (no such committed step / none at all), ``CorruptCheckpointError`` (the
+        explicit step is damaged, or every step is), ``IncompatibleCheckpointError`` (keys, shapes, config)."""
+        self._check_open()
+        self.wait()
+        if step is not None:
+            check_step(step)
+        try:
+            found = self._load_newest(state, strict, rank_local, step=step,
+                                      keys=tuple(keys) if keys is not None else None)
+        finally:
+            if self._uploader is not None:
+                self._uploader.start()
+        if found is None:
+            where = self.root + (f" or {self.remote_storage.url}" if self.remote_storage else "")
+            raise FileNotFoundError(f"step {step} is not committed in {where}" if step is not None else
+                                    f"no valid committed step in {where}")
+        return found[0]
 
     def resume(self, state: MutableMapping[str, Any], *, strict: bool = True,
                rank_local: str = "error") -> Optional[int]:
@@ -866,32 +1019,9 @@ class Store:
                 self._uploader.start()
 
     def _resume(self, state, strict: bool, rank_local: str) -> Optional[int]:
-        self.resumed_from = None
-        self._touched = False
-        remote_catalog = (Catalog(self.remote_storage, self._decoded) if self.remote_storage is not None
-                          else None)
-        pulled: set = set()
-
-        def list_candidates():
-            nonlocal remote_catalog
-            try:
-                return list(candidates(self.catalog, remote_catalog))
-            except Exception as e:                    # an unreachable remote must not block a local resume
-                log.warning("remote %s unreachable (%s: %s): resuming from local steps only",
-                            self.remote_storage.url, type(e).__name__, e)
-                remote_catalog = None
-                return [(s, "local") for s in reversed(self.catalog.committed_steps())]
-
-        def attempt(step, tier):
-            return self._resume_step(state, step, tier, remote_catalog, pulled, strict, rank_local)
-        found = first_valid_step(list_candidates, attempt, coord=self._coord, timeout=self.collective_timeout,
-                                 tag=self._coord.next_tag("resume") if self._coord is not None else None)
+        found = self._load_newest(state, strict, rank_local)
         if found is not None:
-            step, tier = found
-            self.resumed_from = {"tier": tier, "step": step, "url": self.root if tier == "local" else
-                                 self.remote_storage.url, "manifests_read": self._manifests_read}
-            log.info("resumed from step %d (%s)", step, tier)
-            return step
+            return found[0]
         if self._touched:
             raise CheckpointError(f"no valid step left in {self.root} to load into the sharded (DTensor) values "
                                   "that a damaged step partly overwrote: refusing a fresh start with them")
@@ -901,7 +1031,42 @@ class Store:
                  f" or {self.remote_storage.url}" if self.remote_storage is not None else "")
         return None
 
-    def _resume_step(self, state, step, tier, remote_catalog, pulled, strict, rank_local) -> str:
+    def _load_newest(self, state, strict: bool, rank_local: str, *, step: Optional[int] = None,
+                     keys: Optional[Tuple[str, ...]] = None) -> Optional[Tuple[int, str]]:
+        """Load the newest valid step (or exactly ``step``: then its failure is raised, not skipped) into
+        ``state``, agreed by every rank (:func:`~ckptstore.resume.first_valid_step`); sets ``resumed_from``.
+        Returns ``(step, tier)`` or ``None`` when no step loads."""
+        self.resumed_from = None
+        self._touched = False
+        remote_catalog = (Catalog(self.remote_storage, self._decoded) if self.remote_storage is not None
+                          else None)
+        pulled: set = set()
+
+        def list_candidates():
+            nonlocal remote_catalog
+            if step is not None:                      # an empty list: restore raises FileNotFoundError
+                tier = self._tier_of(step)
+                return [(step, tier)] if tier is not None else []
+            listed, reachable = self._listing(remote_catalog)
+            if not reachable:
+                remote_catalog = None                 # no repairs from an unreachable remote either
+            return listed
+
+        def attempt(s, tier):
+            return self._resume_step(state, s, tier, remote_catalog, pulled, strict, rank_local, keys)
+        found = first_valid_step(list_candidates, attempt, coord=self._coord, timeout=self.collective_timeout,
+                                 tag=self._coord.next_tag("resume") if self._coord is not None else None,
+                                 substitute=step is None)
+        if found is not None:
+            s, tier = found
+            self.resumed_from = {"tier": tier, "step": s, "url": self.root if tier == "local" else
+                                 self.remote_storage.url, "manifests_read": self._manifests_read}
+            if keys is not None:
+                self.resumed_from["keys"] = list(keys)
+            log.info("restored step %d (%s)%s", s, tier, f", keys {list(keys)}" if keys is not None else "")
+        return found
+
+    def _resume_step(self, state, step, tier, remote_catalog, pulled, strict, rank_local, keys=None) -> str:
         """Load ``step`` into ``state`` for this rank: pull it first when this root lacks it, repair it from
         the remote when the local copy is damaged. Returns the tier it came from; raises CheckpointError."""
         if not self.catalog.is_committed(step):
@@ -913,12 +1078,13 @@ class Store:
             remote = with_read_retries(self.remote_storage, self._upload_retry)
             step_catalog = Catalog(remote, self._decoded)
             saved = step_catalog.read_commit_bytes(step)
-            if saved[1].world_size != self.world_size and saved[1].world_size > 1:
+            if (saved[1].world_size != self.world_size and saved[1].world_size > 1) or self.read_only:
                 # Written by another layout of ranks: its parts are not this rank's to keep. Each rank reads
                 # straight from the remote only the ranges its targets overlap (through the step's shard map),
                 # instead of every node pulling every rank's part.
                 self._restore(state, step_catalog, BlobStore(remote, quarantine=False), step,
-                              strict=strict, check_config=True, rank_local=rank_local, commit=saved[1])
+                              strict=strict, check_config=True, rank_local=rank_local, commit=saved[1],
+                              components=keys)
                 self._run_id = saved[1].run_id or self._run_id
                 return "remote"
             self._pull(step, ranks=parts_needed(saved[1].world_size, self.world_size, self.rank), source=saved)
@@ -926,14 +1092,20 @@ class Store:
             tier = "remote"
         try:
             self._restore(state, self.catalog, self.blobs, step, strict=strict, check_config=True,
-                          rank_local=rank_local)
+                          rank_local=rank_local, components=keys)
         except CorruptCheckpointError as e:
             if remote_catalog is None or step in pulled or not _quiet(lambda: remote_catalog.is_committed(step)):
                 raise
-            log.warning("local step %d is damaged (%s): repairing it from %s", step, e, self.remote_storage.url)
-            self._pull(step)
-            self._restore(state, self.catalog, self.blobs, step, strict=strict, check_config=True,
-                          rank_local=rank_local)
+            if self.read_only:
+                log.warning("local step %d is damaged (%s): reading it from %s", step, e, self.remote_storage.url)
+                catalog, blobs = self._remote_reader()
+            else:
+                log.warning("local step %d is damaged (%s): repairing it from %s", step, e,
+                            self.remote_storage.url)
+                self._pull(step)
+                catalog, blobs = self.catalog, self.blobs
+            self._restore(state, catalog, blobs, step, strict=strict, check_config=True,
+                          rank_local=rank_local, components=keys)
             tier = "remote"
         self._adopt_run_id(step)
         return tier
@@ -1021,6 +1193,7 @@ class Store:
         FORMAT.md "Ranged pulls"); ``pulled`` records what each pull fetched. Returns the step. Raises
         ``FileNotFoundError`` if the remote has none."""
         self._check_open()
+        self._check_writable("pull")
         if self.remote_storage is None:
             raise CheckpointError("pull needs Store(..., remote=URL)")
         remote_catalog = Catalog(self.remote_storage)
@@ -1064,6 +1237,7 @@ class Store:
         saves in flight elsewhere (other ranks, other processes); past that, nothing is deleted and
         ``GCReport.deferred`` says who was in the way."""
         self._check_open()
+        self._check_writable("gc")
         handle = self._inflight
         if handle is not None:
             futures_wait([handle._future])         # its error, if any, stays for wait() / the next save
@@ -1127,18 +1301,42 @@ class Store:
         for f in futures:
             f.result()
 
-    def delete_step(self, step: int) -> None:
-        """Remove a committed step (commit marker first). Its blobs are freed by the next :meth:`gc`."""
+    def delete_step(self, step: int, *, remote: bool = True, force: bool = False) -> None:
+        """Remove a step the trainer no longer wants (Lightning's top-k rotation, torchtitan's
+        ``keep_latest_k``): locally at once (commit marker first; its blobs are freed by the next retention
+        sweep or :meth:`gc`), and with ``remote=True`` from the remote this store uploads to, on the uploader's
+        thread once every upload queued before this call is done (a waiting upload of the step is dropped; a
+        failure is raised like an upload's). Deleting a step that is not there is a no-op.
+
+        Raises ``CheckpointError`` for the newest committed step (local or on the remote: the run must keep
+        something to resume from; ``force=True`` deletes it locally all the same, an operator's choice, and the
+        remote's newest step is never deleted) and for the step a save in flight writes; also on a
+        ``read_only`` store."""
         self._check_open()
+        self._check_writable("delete_step")
         check_step(step)
-        self._point_away_from(step)
-        self.catalog.delete_step(step)
+        inflight = self._inflight
+        if inflight is not None and not inflight.done() and inflight.step == step:
+            raise CheckpointError(f"step {step} is being saved: it cannot be deleted now")
+        if step == self._newest_committed() and not force:
+            raise CheckpointError(f"step {step} is the newest committed step of {self.root}: it is never deleted "
+                                  "(save a newer one first)")
+        with self._maint:
+            self._point_away_from(step)
+            self.catalog.delete_step(step)
         self._metrics_cache.pop(step, None)
+        if remote and self._uploader is not None and not self._uploader.parts_only:
+            self._uploader.delete_after_uploads(step)
+            self._remote_metrics_cache.pop(step, None)
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"store {self.root} is closed")
+
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise CheckpointError(f"store {self.root} was opened read_only: {what} is not allowed")
 
     def close(self) -> None:
         """Wait for the save in flight and for uploads, release threads and staging memory. Idempotent.

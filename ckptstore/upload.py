@@ -70,6 +70,8 @@ class Uploader:
         self._lease = None                           # the remote's writer lease (see ckptstore.lease)
         self._paused = 0                             # > 0: start no new upload (a truncation is under way)
         self._deriving = False
+        self._deletes: List[int] = []                # steps the trainer deleted: removed from the remote in order
+        self._deleting = False
         #: newest committed step on the remote as far as this uploader knows (None: none, or not derived yet)
         self.remote_newest: Optional[int] = None
         self._thread = threading.Thread(target=self._run, name="ckptstore-upload", daemon=True)
@@ -128,6 +130,18 @@ class Uploader:
                                 "stays on local disk)", dropped)
             self._cond.notify_all()
 
+    def delete_after_uploads(self, step: int) -> None:
+        """Remove ``step`` from the remote once every upload queued before this call is done (a waiting upload
+        of ``step`` itself is dropped): :func:`delete_steps` on the uploader's thread, in order with the
+        uploads. A failure is raised like an upload's (next ``save`` / ``wait_for_uploads`` / ``close``)."""
+        self.start()
+        with self._cond:
+            if step in self._queue:
+                self._queue.remove(step)
+            if step not in self._deletes:
+                self._deletes.append(step)
+            self._cond.notify_all()
+
     def pending(self) -> List[int]:
         """Steps waiting or being uploaded."""
         with self._cond:
@@ -148,7 +162,8 @@ class Uploader:
         self.start()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while (self._queue or self._current is not None or not self._derived) and self._error is None:
+            while (self._queue or self._current is not None or not self._derived or self._deletes
+                   or self._deleting) and self._error is None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise UploadError(f"uploads still pending after {timeout} s: steps {self.pending()}")
@@ -164,7 +179,7 @@ class Uploader:
             self._paused += 1
             if drop_after is not None:
                 self._queue = [s for s in self._queue if s <= drop_after]
-            while self._current is not None or self._deriving:
+            while self._current is not None or self._deriving or self._deleting:
                 self._cond.wait()
         try:
             yield self
@@ -222,7 +237,7 @@ class Uploader:
         while True:
             with self._cond:
                 while not self._closing and (self._error is not None or self._paused
-                                             or (self._derived and not self._queue)):
+                                             or (self._derived and not self._queue and not self._deletes)):
                     self._cond.wait()
                 if self._closing:
                     return
@@ -236,6 +251,20 @@ class Uploader:
                 finally:
                     with self._cond:
                         self._deriving = False
+                        self._cond.notify_all()
+                continue
+            with self._cond:
+                doomed: List[int] = []
+                if not self._queue and self._deletes:  # after every upload queued before them
+                    doomed, self._deletes, self._deleting = self._deletes, [], True
+            if doomed:
+                try:
+                    delete_steps(self.remote, doomed, call=self.copier.call)
+                except BaseException as e:
+                    self._fail(e)
+                finally:
+                    with self._cond:
+                        self._deleting = False
                         self._cond.notify_all()
                 continue
             with self._cond:
@@ -304,6 +333,31 @@ def truncate_steps(storage, after: int, call=_direct) -> Tuple[List[int], Option
     if dropped:
         log.info("%s: dropped steps %s (rewound to step %s)", storage.url, sorted(dropped), after)
     return sorted(dropped), newest
+
+
+def delete_steps(remote, steps: List[int], *, call=_direct, grace_seconds: float = 0.0, wait: float = 5.0
+                 ) -> Tuple[List[int], Optional[GCReport]]:
+    """Delete ``steps`` from ``remote`` (each: commit marker first, then its files), never its newest
+    committed step (skipped, logged: FORMAT.md "Writers and deleters"), then collect the remote's unreferenced
+    blobs and packs under its gc lease as retention does. Returns the deleted steps and the gc report (``None``
+    when nothing was deleted)."""
+    catalog = Catalog(remote)
+    committed = call(catalog.committed_steps, f"list steps of {remote.url}")
+    newest = committed[-1] if committed else None
+    gone = []
+    for s in sorted(set(steps)):
+        if s == newest:
+            log.warning("not deleting step %d from %s: it is the newest committed step there", s, remote.url)
+            continue
+        if s in committed or s in call(catalog.step_dirs, f"list steps of {remote.url}"):
+            call(lambda s=s: catalog.delete_step(s), f"delete step {s} of {remote.url}")
+            gone.append(s)
+    if not gone:
+        return gone, None
+    log.info("deleted steps %s from %s", gone, remote.url)
+    report = call(lambda: collect(remote, catalog, BlobStore(remote, quarantine=False),
+                                  grace_seconds=grace_seconds, wait=wait), f"gc of {remote.url}")
+    return gone, report
 
 
 def apply_remote_retention(remote, policy, protected=(), *, cache: Optional[Dict[int, Mapping[str, Any]]] = None,

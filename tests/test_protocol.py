@@ -40,7 +40,7 @@ def test_latest_pointer_names_newest_committed(tmp_path):
         s.save({"v": "again"}, 10)                            # replacing a committed step
         assert s.load(10) == {"v": "again"}
         assert json.loads((tmp_path / "latest").read_text())["step"] == 10
-        s.delete_step(10)
+        s.delete_step(10, force=True)                         # the newest step: only when forced
         assert json.loads((tmp_path / "latest").read_text())["step"] == 7
 
 
@@ -82,7 +82,7 @@ def test_gc_does_not_sweep_when_a_step_is_unreadable(tmp_path):
         s.save({"w": torch.zeros(1000)}, 2)
         mf = step_dir(tmp_path, 1) / "manifest-rank00000.msgpack"
         mf.write_bytes(mf.read_bytes()[:10])
-        s.delete_step(2)
+        s.delete_step(2, force=True)
         r = s.gc(grace_seconds=0)
         assert r.unreadable_steps == [1] and deleted(r) == 0
         r = s.gc(grace_seconds=0, force=True)

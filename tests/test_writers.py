@@ -219,7 +219,7 @@ def test_gc_never_deletes_an_old_orphan_a_save_in_flight_deduplicated(tmp_path, 
     big = torch.randn(300_000)
     with Store(tmp_path, packing=Packing(threshold=0)) as s:              # every chunk a blob
         s.save({"w": big}, 1)
-        s.delete_step(1)                                                 # its blob: an orphan, as a killed
+        s.delete_step(1, force=True)                                     # its blob: an orphan, as a killed
     orphan = blob_files(tmp_path)                                        # save leaves it
     assert len(orphan) == 1
     old = time.time() - 7200
