@@ -26,6 +26,9 @@ Sections (``--sections``):
            remote, only each rank's overlaps) vs ``Store.pull`` of the whole step into each rank's root then
            resume (what every node did before) vs ``dcp.load`` through DCP's ``FsspecReader``. Use a 64mb or
            256mb state: every byte goes through moto on the same 2 cores.
+  ddp      ``--world`` ranks of DDP (every rank holds the whole model + AdamW): ckptstore with every rank saving
+           its copy, ckptstore with ``save(replicated=["app"])``, and ``dcp.save`` (which saves replicated
+           items once); seconds (slowest rank), bytes on disk, bytes each rank saved.
   coord    tiny state (one ``--coord-elems`` fp32 tensor per rank) at each of ``--coord-ranks``: seconds per
            collective ckptstore save, per-rank ckptstore save into its own root without coordination
            (``world_size=1``), and ``dcp.save``; coordinator calls, bytes gathered to rank 0, and
@@ -75,7 +78,7 @@ def _layers(d: int, vocab: int, target: int) -> int:
     return max(1, round((target - rest) / per_block))
 
 
-def build(size: str, seed: int = 0):
+def build(size: str, seed: int = 0, ddp: bool = False):
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -102,12 +105,15 @@ def build(size: str, seed: int = 0):
 
     torch.manual_seed(seed)
     model = Net()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for b in model.blocks:
+    if ddp:
+        model = nn.parallel.DistributedDataParallel(model)
+    mesh = None if ddp else init_device_mesh("cpu", (dist.get_world_size(),))
+    for b in ([] if ddp else model.blocks):
         fully_shard(b, mesh=mesh)
-    fully_shard(model.emb, mesh=mesh)
-    fully_shard(model.head, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if not ddp:
+        fully_shard(model.emb, mesh=mesh)
+        fully_shard(model.head, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(seed + 1)
     idx = torch.randint(0, vocab, (1, 9), generator=g)
@@ -341,6 +347,55 @@ def rank_fsdp(cfg: dict, rank: int, world: int) -> dict:
     return out
 
 
+def rank_ddp(cfg: dict, rank: int, world: int) -> dict:
+    """DDP: every rank holds the whole model and optimizer. ckptstore with every rank saving its copy, with
+    ``save(replicated=["app"])`` (rank 0 saves it), and dcp.save (which dedups replicated items itself)."""
+    import torch.distributed.checkpoint as dcp
+    counters = Counters()
+    mem = Mem()
+    model, optim = build(cfg["size"], cfg["seed"], ddp=True)
+    app = AppState(model, optim)
+    out: Dict[str, Any] = {"rank": rank, "local_bytes": sum(C.nbytes(t) for t in local_tensors(model, optim)),
+                           "samples": {}, "wrong": [], "disk": {}}
+    methods = ["ckptstore all ranks", "ckptstore replicated", "dcp"]
+    for rep in range(cfg["repeat"]):
+        order = methods if rep % 2 == 0 else methods[::-1]
+        dirs = {m: _fresh(cfg["dir"], f"ddp_{m.split()[-1]}_", rank, counters) for m in order}
+        for m in order:
+            if m == "dcp":
+                rec = _timed(counters, mem, lambda: dcp.save({"app": app}, checkpoint_id=dirs[m]))
+            else:
+                store = _store(dirs[m], cfg)
+                rep_keys = ["app"] if m.endswith("replicated") else []
+                res = {}
+                rec = _timed(counters, mem, lambda: res.update(r=store.save({"app": app}, 1, replicated=rep_keys)))
+                rec["bytes_total"] = res["r"].bytes_total
+                store.close()
+            out["samples"].setdefault(m, []).append(rec)
+        counters.barrier()
+        if rank == 0:
+            out["disk"] = {m: C.disk_bytes(Path(d)) for m, d in dirs.items()}
+            for d in dirs.values():
+                shutil.rmtree(d, ignore_errors=True)
+        counters.barrier()
+    return out
+
+
+def report_ddp(res: List[dict], world: int) -> tuple:
+    rows, js = [], {}
+    dcp_xs = per_repeat_max(res, "dcp")
+    base_xs = per_repeat_max(res, "ckptstore all ranks")
+    for m in ("dcp", "ckptstore all ranks", "ckptstore replicated"):
+        xs = per_repeat_max(res, m)
+        hashed = [r["samples"][m][-1].get("bytes_total") for r in res]
+        rows.append([f"{m} ({world} ranks)", *fmt_s(xs), f"{med(xs) / med(dcp_xs):.2f}",
+                     f"{med(xs) / med(base_xs):.2f}", C.fmt_bytes(res[0]["disk"][m]),
+                     " / ".join(C.fmt_bytes(h) for h in hashed) if hashed[0] is not None else "n/a"])
+        js[m] = dict(seconds=xs, median=med(xs), disk=res[0]["disk"][m], bytes_per_rank=hashed)
+    head = ["save", "median s", "min-max s", "x DCP", "x all ranks", "on disk", "bytes saved per rank"]
+    return table(head, rows), js
+
+
 def rank_reshard(cfg: dict, rank: int, world: int) -> dict:
     import torch.distributed.checkpoint as dcp
     from ckptstore import Store
@@ -506,7 +561,7 @@ def rank_main(mode: str, cfg: dict) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         out = {"fsdp": rank_fsdp, "reshard": rank_reshard, "remote": rank_remote,
-               "coord": rank_coord}[mode](cfg, rank, world)
+               "coord": rank_coord, "ddp": rank_ddp}[mode](cfg, rank, world)
         print("RESULT " + json.dumps(out), flush=True)
         dist.barrier()
         dist.destroy_process_group()
@@ -712,7 +767,7 @@ def report_coord(per_world: Dict[int, List[dict]]) -> tuple:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=tuple(SIZES), default="64mb", help="FSDP state size (weights + AdamW)")
-    ap.add_argument("--sections", default="fsdp,reshard,coord", help="from fsdp,reshard,remote,coord")
+    ap.add_argument("--sections", default="fsdp,reshard,coord", help="from fsdp,reshard,remote,ddp,coord")
     ap.add_argument("--world", type=int, default=4, help="ranks of the fsdp section")
     ap.add_argument("--reshard-to", type=int, default=2, help="ranks of the reshard section")
     ap.add_argument("--repeat", type=int, default=3, help="round-robin repeats (median, min-max)")
@@ -794,6 +849,13 @@ def main() -> int:
                   f"{args.repeat}; each rank resumes into an empty root of its own (node-local disks).", flush=True)
             result["remote"] = js
             result["remote_raw"] = res
+        if "ddp" in sections:
+            t0 = time.perf_counter()
+            res = launch(args.world, "ddp", cfg, args.job_timeout)
+            text, js = report_ddp(res, args.world)
+            print(f"\nddp: {args.world} ranks, {time.perf_counter() - t0:.0f} s, state per rank "
+                  f"{C.fmt_bytes(res[0]['local_bytes'])}\n" + text, flush=True)
+            result["ddp"] = js
         if "coord" in sections:
             per_world = {}
             for w in (int(x) for x in args.coord_ranks.split(",")):

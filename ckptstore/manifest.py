@@ -9,6 +9,7 @@ ids, dtypes, byte counts) before other modules see it.
 Manifest body (one per rank and step)::
 
     {"step": int, "rank": int, "world_size": int, "stateful": [str, ...],
+     "replicated": [str, ...],                         # optional: top-level keys saved by rank 0 only
      "packs": [pack_id, ...],                          # format 2: the packs this manifest reads from
      "nodes": [[path, kind, payload], ...]}            # pre-order, see ckptstore.state.Node
     path    = [str | int, ...]
@@ -114,6 +115,10 @@ class Manifest:
     world_size: int
     stateful: List[str]
     nodes: List[ManifestNode]
+    #: top-level keys the saver declared equal on every rank (``Store.save(replicated=...)``), sorted. Rank 0's
+    #: manifest holds them (never as DTensors); every other rank's manifest lists them and holds none of them:
+    #: readers take them from rank 0's manifest
+    replicated: List[str] = field(default_factory=list)
 
     def arrays(self):
         """(node, ArrayEntry) for every tensor / array node, in order."""
@@ -209,8 +214,11 @@ def encode_manifest(m: Manifest) -> bytes:
                 d["shard"] = p.shard.encode()
             p = d
         nodes.append([list(n.path), n.kind, p])
-    return frame("manifest", {"step": m.step, "rank": m.rank, "world_size": m.world_size,
-                              "stateful": list(m.stateful), "packs": list(packs), "nodes": nodes})
+    body = {"step": m.step, "rank": m.rank, "world_size": m.world_size,
+            "stateful": list(m.stateful), "packs": list(packs), "nodes": nodes}
+    if m.replicated:
+        body["replicated"] = sorted(m.replicated)
+    return frame("manifest", body)
 
 
 def _int(v, what, lo=0, hi=None) -> int:
@@ -319,6 +327,13 @@ def decode_manifest(data: bytes, *, step: int, rank: int, what: str) -> Manifest
         stateful = body.get("stateful")
         if not isinstance(stateful, list) or not all(isinstance(s, str) for s in stateful):
             raise ValueError("bad stateful list")
+        replicated = body.get("replicated", [])
+        if (not isinstance(replicated, list) or len(replicated) > (1 << 16)
+                or not all(isinstance(k, str) and 0 < len(k) <= 4096 for k in replicated)
+                or replicated != sorted(set(replicated))):
+            raise ValueError(f"bad replicated list {replicated!r:.80}")
+        if replicated and world_size == 1:
+            raise ValueError("replicated keys in a step saved by one rank")
         packs = body.get("packs", [])
         if not isinstance(packs, list) or len(packs) > (1 << 24):
             raise ValueError("bad pack table")
@@ -357,12 +372,34 @@ def decode_manifest(data: bytes, *, step: int, rank: int, what: str) -> Manifest
         where = what
         _check_pack_ranges(nodes)
         _validate_tree(nodes, stateful)
+        _check_replicated(nodes, replicated, rank)
     except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError) as e:
         # TypeError & co: a field of the wrong type met an operation before its own check (e.g. an unhashable
         # dtype); every such manifest is invalid, never an exception of another kind for the caller
         raise CorruptCheckpointError(f"invalid manifest: {type(e).__name__ + ': ' if not isinstance(e, ValueError) else ''}"
                                      f"{e}", step=step, blob=what) from None
-    return Manifest(step=step, rank=rank, world_size=world_size, stateful=stateful, nodes=nodes)
+    return Manifest(step=step, rank=rank, world_size=world_size, stateful=stateful, nodes=nodes,
+                    replicated=replicated)
+
+
+def _check_replicated(nodes: List["ManifestNode"], replicated: List[str], rank: int) -> None:
+    """Rank 0's manifest holds every replicated key, none as a DTensor; another rank's holds none of them."""
+    if not replicated:
+        return
+    rep = set(replicated)
+    top = {n.path[0] for n in nodes if len(n.path) == 1}
+    if rank == 0:
+        missing = sorted(rep - top)
+        if missing:
+            raise ValueError(f"replicated keys {missing!r:.80} are not in rank 0's manifest")
+        bad = sorted({n.path[0] for n in nodes if n.kind == "dtensor" and n.path[0] in rep})
+        if bad:
+            raise ValueError(f"replicated keys {bad!r:.80} hold DTensor shards")
+    else:
+        held = sorted(rep & top)
+        if held:
+            raise ValueError(f"keys {held!r:.80} are marked replicated (saved by rank 0) but rank {rank}'s "
+                             "manifest holds them too")
 
 
 _PLAIN_VALUE_TYPES = (type(None), bool, int, float, str, bytes)

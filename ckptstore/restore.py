@@ -129,6 +129,7 @@ class StepLoader:
         self._read_nodes = read_nodes
         self.same_world = commit.world_size == world_size
         self._manifests: Dict[int, Manifest] = {}
+        self._base: Optional[Manifest] = None
         self._by_path: Optional[Dict[KeyPath, List[SavedShard]]] = None
         self._sharded_nodes: Dict[int, Dict[KeyPath, Any]] = {}     # rank -> path -> ArrayEntry
         self._map: Any = False                      # the step's ShardMap; None: none / unreadable
@@ -158,8 +159,23 @@ class StepLoader:
 
     @property
     def base(self) -> Manifest:
-        """The manifest plain values come from: this rank's (same world size) or rank 0's."""
-        return self.manifest(self.rank if self.same_world else 0)
+        """The manifest plain values come from: this rank's (same world size) or rank 0's, with the keys saved
+        as replicated (``Store.save(replicated=...)``) taken from rank 0's manifest."""
+        if self._base is None:
+            own = self.manifest(self.rank if self.same_world else 0)
+            if own.replicated and own.rank != 0:
+                r0 = self.manifest(0)
+                if r0.replicated != own.replicated:
+                    raise CorruptCheckpointError(
+                        f"rank {own.rank}'s manifest reads the replicated keys {own.replicated} from rank 0, "
+                        f"whose manifest names {r0.replicated}", step=self.commit.step)
+                rep = set(own.replicated)
+                own = Manifest(step=own.step, rank=own.rank, world_size=own.world_size,
+                               stateful=own.stateful + [k for k in r0.stateful if k in rep],
+                               nodes=own.nodes + [n for n in r0.nodes if n.path and n.path[0] in rep],
+                               replicated=own.replicated)
+            self._base = own
+        return self._base
 
     def saved_keys(self) -> Set[str]:
         return {n.path[0] for n in self.base.nodes if len(n.path) == 1}

@@ -45,8 +45,10 @@ def signatures(m: Manifest, wanted: Optional[set] = None) -> Dict[KeyPath, Any]:
     """path -> what must be equal across ranks for a non-sharded value to load on another world size (its
     kind, dtype, shape and chunk ids; a container's kind and length; a plain value's repr)."""
     out: Dict[KeyPath, Any] = {}
+    rep = set(m.replicated)           # equal on every rank by declaration; held by rank 0 only
     for n in m.nodes:
-        if not n.path or n.kind == "dtensor" or (wanted is not None and n.path[0] not in wanted):
+        if (not n.path or n.kind == "dtensor" or (wanted is not None and n.path[0] not in wanted)
+                or n.path[0] in rep):
             continue
         if n.kind in ARRAY_KINDS:
             e = n.payload
@@ -71,8 +73,9 @@ def _plain_signatures(m: Manifest) -> Tuple[List[KeyPath], bytes]:
     """The paths of ``m``'s plain values in manifest order, and 8 bytes per value hashing what
     :func:`signatures` compares (so both ways of finding rank-local values agree)."""
     paths, out = [], []
+    rep = set(m.replicated)
     for n in m.nodes:
-        if not n.path or n.kind == "dtensor":
+        if not n.path or n.kind == "dtensor" or n.path[0] in rep:
             continue
         h = hashlib.blake2b(digest_size=8)
         if n.kind in ARRAY_KINDS:
@@ -101,13 +104,21 @@ def local_entry(m: Manifest) -> Dict[str, Any]:
     boxes = [[key_hash(n.path), list(n.payload.shard.offset), list(n.payload.shape)]
              for n in m.nodes if n.kind == "dtensor"]
     paths, plain = _plain_signatures(m)
-    return {"boxes": boxes, "order": _order(paths), "plain": plain}
+    entry = {"boxes": boxes, "order": _order(paths), "plain": plain}
+    if m.replicated:
+        entry["replicated"] = list(m.replicated)
+    return entry
 
 
 def build(step: int, entries: Sequence[Dict[str, Any]], rank0: Manifest) -> bytes:
     """The map's bytes from every rank's :func:`local_entry` (index = rank) and rank 0's manifest (which names
     the rank-local paths). ``rank_local`` is ``None`` ("unknown": readers compare the manifests) when some
     rank's plain values are not the same paths in the same order as rank 0's (rank 0 could not name them)."""
+    rep = list(rank0.replicated)
+    differ_rep = [r for r, e in enumerate(entries) if list(e.get("replicated", [])) != rep]
+    if differ_rep:       # a step rank r could not load: refuse to commit it (the save raises CommitError)
+        raise ValueError(f"ranks {differ_rep} declared other replicated keys than rank 0 ({rep}): every rank "
+                         "must pass the same save(replicated=...)")
     boxes: Dict[bytes, List[list]] = {}
     for r, e in enumerate(entries):
         for h, off, shape in e["boxes"]:

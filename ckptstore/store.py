@@ -268,6 +268,7 @@ class Store:
         self._closed = False
         self.read_only = bool(read_only)
         self._save_names: Tuple[str, ...] = ()      # names the save in flight records in its commit marker
+        self._save_replicated: List[str] = []       # its replicated keys (save(replicated=...))
         self.storage_options = dict(storage_options or {})
         self.load_path = load_path
         self.load_components = tuple(load_components) if load_components is not None else None
@@ -314,7 +315,7 @@ class Store:
 
     # -- saving -------------------------------------------------------------------------------------------
     def save(self, state: Mapping[str, Any], step: int, *, metrics: Optional[Mapping[str, Any]] = None,
-             blocking: bool = True, names: Iterable[str] = ()):
+             blocking: bool = True, names: Iterable[str] = (), replicated: Iterable[str] = ()):
         """Save ``state`` as ``step`` and commit it.
 
         ``state`` maps names to Stateful objects, tensors, numpy arrays, and nested dict/list/tuple of those and
@@ -329,6 +330,15 @@ class Store:
         step again *with names* is not a rewind: the step is re-saved (a new manifest generation, the values
         given now) and keeps the names it had plus the new ones, one commit with several names (Lightning saves
         one global step under its top-k path, then as ``last.ckpt``).
+
+        ``replicated``: top-level keys of ``state`` whose values are the same on every rank (the model,
+        optimizer and scheduler under DDP). Rank 0 saves them; the other ranks do not call their
+        ``state_dict()``, copy, hash or write them, and their manifests name them as read from rank 0's; a
+        step loads them from rank 0's manifest on any rank and any world size (values that differ between
+        ranks, e.g. per-rank RNG, are rank-local instead). Every rank must pass the same keys (else the save
+        raises ``CommitError``); a replicated key may not hold DTensors (``ValueError``: they are sharded, so
+        not replicated). Ignored by a store of one rank. The rule comes from DDP's own guarantee that every
+        replica holds the same parameters after each step; it is the saver's promise, not checked.
 
         ``blocking=True`` (default): returns a :class:`SaveResult` once the step is committed and durable on
         local disk. ``blocking=False``: returns a :class:`SaveHandle` as soon as every changed tensor is copied
@@ -358,11 +368,19 @@ class Store:
             check_step(step)
             metrics = normalize(metrics or {}, "metrics")
             names = check_names(names)
+            rep = self._replicated_keys(state, replicated)
             op = self._begin_write(step)               # before the index: see ckptstore.lease
             self._save_names = self._check_rewind(step, names)   # holds the writer lease: may truncate
             self._index.prepare(self.catalog, self.rank)   # before the snapshot: it decides what is unchanged
+            self._save_replicated = rep
+            own = state if not rep or self.rank == 0 else {k: v for k, v in state.items() if k not in rep}
             with gc_paused():     # the snapshot is short and allocation-heavy: no heap-wide GC pass mid-stall
-                nodes, stateful, specs = self._snapshot(state, blocking)
+                nodes, stateful, specs = self._snapshot(own, blocking)
+            sharded = sorted({n.path[0] for n in nodes if n.path and n.path[0] in rep
+                              and getattr(n, "shard", None) is not None})
+            if sharded:
+                raise ValueError(f"save(step {step}): replicated keys {sharded} hold DTensors (sharded values "
+                                 "are saved by every rank: leave them out of replicated=)")
         except BaseException as e:
             self._end_write(op)
             if tag is not None:                       # the other ranks must learn it: they raise too
@@ -376,6 +394,15 @@ class Store:
         handle = SaveHandle(step, self._bg.submit(job), stall_seconds=t_snap - t0)
         self._inflight = handle
         return handle
+
+    def _replicated_keys(self, state: Mapping[str, Any], replicated: Iterable[str]) -> List[str]:
+        """``save(replicated=...)`` checked against ``state``: sorted keys, or [] for a store of one rank."""
+        if isinstance(replicated, (str, bytes)) or not isinstance(replicated, (list, tuple, set, frozenset)):
+            raise ValueError(f"replicated must be a list of top-level keys, got {type(replicated).__name__}")
+        missing = [k for k in replicated if not isinstance(k, str) or k not in state]
+        if missing:
+            raise ValueError(f"replicated keys {missing!r:.200} are not top-level keys of the state")
+        return sorted(set(replicated)) if self.world_size > 1 else []
 
     def _snapshot(self, state, blocking: bool):
         """Flatten ``state`` and give every array a stable byte view (see :mod:`ckptstore.snapshot`)."""
@@ -492,7 +519,8 @@ class Store:
                                                index=self._index, buffers=self._pack_buffers)
                     t_blobs = time.perf_counter()
                     manifest = Manifest(step=step, rank=self.rank, world_size=self.world_size,
-                                        stateful=stateful, nodes=self._manifest_nodes(nodes, specs, refs))
+                                        stateful=stateful, nodes=self._manifest_nodes(nodes, specs, refs),
+                                        replicated=self._save_replicated)
                     digest = self.catalog.write_manifest(manifest, self._save_gen)
                 self._check_still_writer()
             except BaseException as e:

@@ -160,7 +160,9 @@ class StepCopier:
         """The source step's commit marker (bytes and decoded; ``source`` when the caller read it already) and
         manifests, verified against each other. ``ranks``: only these ranks' manifests (default: every rank the
         marker names); ``"present"``: those whose manifest file exists in the source (a node-local root holds
-        only its own ranks' parts)."""
+        only its own ranks' parts). Explicit ``ranks`` without rank 0 get rank 0's manifest too when theirs read
+        replicated keys from it (``Store.save(replicated=...)``)."""
+        explicit = ranks is not None and ranks != "present"
         commit_bytes, commit = source or self.call(lambda: self.src_catalog.read_commit_bytes(step),
                                                    f"read commit of step {step}")
         if ranks == "present":
@@ -172,6 +174,11 @@ class StepCopier:
             data, manifest = self.call(lambda r=rank: self.src_catalog.read_manifest_bytes(commit, r),
                                        f"read manifest of step {step} rank {rank}")
             manifests.append((rank, data, manifest))
+        if explicit and 0 in commit.manifests and all(r != 0 for r, _, _ in manifests) \
+                and any(m.replicated for _, _, m in manifests):
+            data, manifest = self.call(lambda: self.src_catalog.read_manifest_bytes(commit, 0),
+                                       f"read manifest of step {step} rank 0")
+            manifests.insert(0, (0, data, manifest))
         return commit_bytes, commit, manifests
 
     # -- blobs --------------------------------------------------------------------------------------------------

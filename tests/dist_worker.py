@@ -17,6 +17,7 @@ import sys
 import time
 
 import torch
+import torch.utils._pytree as pytree
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -140,6 +141,8 @@ def main():
     ap.add_argument("--no-upload-node", type=int, default=-1, help="ranks 2n, 2n+1 do not upload")
     ap.add_argument("--upload-deadline", type=float, default=60.0)
     ap.add_argument("--keep-last", type=int, default=None)
+    ap.add_argument("--replicated", default="", help="comma-separated top-level keys saved by rank 0 only")
+    ap.add_argument("--replicated-ranks", default="", help="only these ranks pass --replicated (a mistake)")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -196,7 +199,13 @@ def main():
         fs = full_state(model, optim)
         if rank == 0 and args.full:
             torch.save({"step": step, "state": fs, "progress": progress}, args.full)
-        print("RESULT " + json.dumps({"rank": rank, "result": "loaded", "step": step,
+        import hashlib
+        digest = hashlib.sha256()
+        for t in pytree.tree_leaves([model.state_dict(), optim.state_dict()["state"]]):   # this rank's own
+            if isinstance(t, torch.Tensor):
+                t = t.to_local() if hasattr(t, "to_local") else t
+                digest.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        print("RESULT " + json.dumps({"rank": rank, "result": "loaded", "step": step, "digest": digest.hexdigest(),
                                       "tier": (store.resumed_from or {}).get("tier"),
                                       "manifests_read": (store.resumed_from or {}).get("manifests_read"),
                                       "progress": state.get("progress")}), flush=True)
@@ -219,7 +228,15 @@ def main():
                 f.flush()
                 os.fsync(f.fileno())
         if args.mode == "train" or step == args.steps:
-            store.save(state, step, blocking=bool(args.blocking))
+            rep = [k for k in args.replicated.split(",") if k]
+            if args.replicated_ranks and str(rank) not in args.replicated_ranks.split(","):
+                rep = []
+            try:
+                store.save(state, step, blocking=bool(args.blocking), replicated=rep)
+            except CheckpointError as e:
+                print("RESULT " + json.dumps({"rank": rank, "result": "error", "type": type(e).__name__,
+                                              "error": str(e)}), flush=True)
+                os._exit(0)
     if args.full:
         fs = full_state(model, optim)
         if rank == 0:

@@ -313,3 +313,50 @@ def test_a_hostile_sharded_entry_is_a_checkpoint_error_and_resume_falls_back(tmp
             s.load(2)
         state = {"w": None}
         assert s.resume(state) == 1 and torch.equal(state["w"], torch.ones(4))
+
+
+def test_ddp_replicated_keys_are_saved_by_rank_0_only_and_load_on_any_world_size(tmp_path):
+    """save(replicated=["app"]) under 2-rank DDP: rank 1's manifest holds none of the model and optimizer (its
+    ranks neither hash nor write them), yet every rank resumes them exactly, as does a 1-rank job; a job whose
+    ranks disagree on the replicated keys commits nothing."""
+    from ckptstore.catalog import Catalog
+    store = tmp_path / "rep"
+    run(2, "--mode", "save", "--ddp", "1", "--store", str(store), "--steps", "3", "--replicated", "app",
+        "--full", str(tmp_path / "w.pt"))
+    with Store(store, read_only=True, rank=0, world_size=1) as s:
+        commit = s.commit_info(3)
+        cat = Catalog(s.storage)
+        m0, m1 = cat.read_manifest(commit, 0), cat.read_manifest(commit, 1)
+    assert m0.replicated == m1.replicated == ["app"]
+    assert {n.path[0] for n in m0.nodes if n.path} == {"app", "step"}
+    assert {n.path[0] for n in m1.nodes if n.path} == {"step"} and m1.arrays() == []
+    assert m0.bytes_total > 0
+    res = run(2, "--mode", "load", "--ddp", "1", "--store", str(store), "--full", str(tmp_path / "got2.pt"))
+    assert [res[r]["step"] for r in (0, 1)] == [3, 3]
+    assert res[0]["digest"] == res[1]["digest"]    # rank 1 read them from rank 0's manifest
+    assert_same_state(full(tmp_path / "got2.pt")["state"], full(tmp_path / "w.pt")["state"])
+    res = run(1, "--mode", "load", "--ddp", "1", "--store", str(store), "--full", str(tmp_path / "got1.pt"))
+    assert res[0]["step"] == 3                     # replicated values are never rank-local
+    assert_same_state(full(tmp_path / "got1.pt")["state"], full(tmp_path / "w.pt")["state"])
+    bad = run(2, "--mode", "save", "--ddp", "1", "--store", str(tmp_path / "bad"), "--steps", "1",
+              "--replicated", "app", "--replicated-ranks", "0")
+    assert {bad[r]["type"] for r in (0, 1)} == {"CommitError"}, bad
+    assert "same save(replicated=...)" in bad[0]["error"]
+    assert Store(tmp_path / "bad", read_only=True, rank=0, world_size=1).steps() == []
+    # hostile variants of the replicated step: each a clear CorruptCheckpointError naming what is wrong
+    from ckptstore import CorruptCheckpointError
+    from helpers import rewrite_manifest
+    good = Store(store, read_only=True, rank=0, world_size=1).load(3, rank=1)
+    assert set(good) == {"app", "step"}
+    shutil.copytree(store, tmp_path / "h1")
+    rewrite_manifest(tmp_path / "h1", 3, lambda b: b.pop("replicated"), rank=0)     # rank 0 lost the list
+    with pytest.raises(CorruptCheckpointError, match="replicated keys"):
+        Store(tmp_path / "h1", read_only=True, rank=0, world_size=1).load(3, rank=1)
+    shutil.copytree(store, tmp_path / "h2")
+    rewrite_manifest(tmp_path / "h2", 3, lambda b: b.update(replicated=["app", "step"]), rank=1)  # holds "step"
+    with pytest.raises(CorruptCheckpointError, match="marked replicated"):
+        Store(tmp_path / "h2", read_only=True, rank=0, world_size=1).load(3, rank=1)
+    shutil.copytree(store, tmp_path / "h3")
+    rewrite_manifest(tmp_path / "h3", 3, lambda b: b.update(replicated=["nope"]), rank=0)
+    with pytest.raises(CorruptCheckpointError, match="not in rank 0's manifest"):
+        Store(tmp_path / "h3", read_only=True, rank=0, world_size=1).load(3, rank=1)
