@@ -84,6 +84,7 @@ import torch  # noqa: E402
 
 import common as C  # noqa: E402
 from backends.launcher import S3Server, open_files  # noqa: E402
+from ckptstore import Remote, Writing
 
 # --------------------------------------------------------------------------- state
 
@@ -357,8 +358,8 @@ class Bench:
         from ckptstore.catalog import Catalog
         url = self._new_bucket()
         local = C.fresh_dir(self.run_dir, "local-")
-        store = Store(local, remote=url + "/ckpt", storage_options=self.opts, upload_workers=workers,
-                      chunk_size=self.args.chunk_mb * MiB)
+        store = Store(local, remote=Remote(url + "/ckpt", workers=workers), storage_options=self.opts,
+                      writing=Writing(chunk_size=self.args.chunk_mb * MiB))
         undo = None
         try:
             store.wait_for_uploads()                  # the uploader has listed the (empty) remote

@@ -556,7 +556,7 @@ def pull_cmd(url, root, to, step, metric, mode, progress, check, storage_options
     src = open_storage(url, opts)
     try:
         step = _resolve_step(Catalog(src), step, metric, mode, src.url)
-        with Store(dest, storage_options=opts, upload=False) as store:
+        with Store(dest, storage_options=opts) as store:
             bar = _progress_bar(progress)
             task = None
 
@@ -564,7 +564,7 @@ def pull_cmd(url, root, to, step, metric, mode, progress, check, storage_options
                 if bar is not None:
                     bar.update(task, completed=done, total=total)
             copier = StepCopier(src, store.storage, progress=report if bar is not None else None,
-                                ranged=RANGED_PULL_THRESHOLD, pack_target=store.packing.target_size)
+                                ranged=RANGED_PULL_THRESHOLD, pack_target=store.writing.packing.target_size)
             try:
                 if bar is not None:
                     bar.start()

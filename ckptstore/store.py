@@ -14,10 +14,10 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor, wait as futures_wait
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, MutableMapping, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, MutableMapping, Optional, Tuple, Union
 
 from . import __version__, hub
-from .blobs import CODECS, BlobStore, stream_check
+from .blobs import BlobStore, stream_check
 from .catalog import Catalog, ManifestCache
 from .collective import default_coordinator
 from .commit import agree_commit, make_part, root_identity
@@ -26,6 +26,7 @@ from .gc import GCReport, collect
 from .index import ChunkIndex
 from .lease import WriterOp, acquire_writer, read_epoch
 from .layout import check_step, manifest_path, pack_path
+from .options import Remote, Writing
 from .manifest import Commit, Manifest, ManifestNode, ArrayEntry, check_names, decode_commit, encode_commit
 from .packs import PackBuffers, Packing, ReadItem, read_chunks
 from .pointers import read_latest, write_latest, clear_latest
@@ -34,7 +35,7 @@ from .restore import StepLoader
 from .resume import first_valid_step, parts_needed, restore_into
 from .resolve import candidates, split_load_path
 from . import retention as _retention
-from .retention import Retention, from_shorthand
+from .retention import Retention
 from .retry import RetryPolicy
 from .shardmap import build as build_shard_map, local_entry
 from .rewind import ON_REWIND, drop_local_after, must_truncate, newest_of
@@ -52,7 +53,6 @@ from .writer import write_arrays
 
 log = logging.getLogger("ckptstore")
 
-DEFAULT_CHUNK_SIZE = 64 << 20
 RETENTION_WAIT = 5.0      # seconds retention's sweep waits for other ranks' saves in flight before deferring
 
 
@@ -141,46 +141,30 @@ class Store:
             process alone while a process group exists (e.g. a consolidated export on rank 0), pass
             ``rank=0, world_size=1``.
         collective_timeout: seconds a rank waits for the others in a collective save / resume (default
-            600) before raising ``CommitError`` naming the ranks that did not arrive. ``commit_timeout`` is
-            its former name.
-        chunk_size: maximum bytes per chunk (default 64 MiB).
-        packing: a :class:`~ckptstore.packs.Packing`: chunks under ``threshold`` bytes (default 4 MiB) are
-            appended to pack files of about ``target_size`` bytes (default 64 MiB) instead of being one file
-            each; ``Packing(threshold=0)`` writes every chunk as a blob of its own (see FORMAT.md).
-        codec: ``"raw"`` (default) or ``"zstd"`` for new blobs. zstd is kept only where it saves >= 3%;
-            measured here it gains ~8% on fp32 at 0.4-0.5 GB/s per core, slower than the disk, so it is off
-            by default (see benchmarks/README.md).
-        workers: threads hashing / writing / reading chunks (default: 4).
-        track_versions: opt-in (default ``False``: every tensor is hashed at every save, and content
-            addressing alone skips writing unchanged bytes). ``True`` skips copying and hashing a tensor whose
-            storage, autograd version counter and optimizer-step count are unchanged since the last save
-            (frozen layers in fine-tuning). It cannot see writes through ``.data``, numpy views,
-            ``untyped_storage()``, DLPack or extension kernels that leave the version counter alone: such a
-            tensor is saved with its old bytes. Fused optimizers are seen (see :mod:`ckptstore.changes`);
-            DTensor shards are always hashed.
+            600) before raising ``CommitError`` naming the ranks that did not arrive.
+        writing: a :class:`~ckptstore.options.Writing`: how saves write (chunk size, codec, threads, O_DIRECT,
+            packing, opt-in change detection).
         keep: a :class:`~ckptstore.retention.Retention` (``Retention(last=N, every=K, best=M, metric="loss",
             mode="min")``): the union of the newest N committed steps, every K-th step and the M best by
             ``metrics[metric]``. Never deleted whatever the policy: the newest committed step, the best step
             (:meth:`best_step`), a step whose upload is pending, the step being saved. Applied after every
             commit (rank 0, and the leader of each other root), followed by a sweep of the blobs and packs no
             kept step references; with ``remote``, applied to the remote too by the uploader after each upload
-            (the remote keeps the policy's result; ``keep_local`` may keep fewer locally). The best criterion
-            is recorded in every commit marker, so readers find "best" without the policy
+            (the remote keeps the policy's result; ``Remote(keep_local=)`` may keep fewer locally). The best
+            criterion is recorded in every commit marker, so readers find "best" without the policy
             (:func:`ckptstore.retention.best_step`).
-        keep_last, keep_every: shorthand for ``keep=Retention(last=keep_last, every=keep_every)``
-            (``keep_every`` alone keeps everything); not together with ``keep``.
         on_rewind: what ``save`` does with a step lower than or equal to the newest committed one (locally, or
             on the remote this store uploads to): ``"error"`` (default) raises ``IncompatibleCheckpointError``
             naming both steps; ``"truncate"`` first drops the later steps (locally and on the remote; the
             latest pointers move back, see FORMAT.md "Rewinding a run") and re-saves the step as a new manifest
             generation if it was committed: a run rolled back after a loss spike continues on a clean timeline.
-        direct_io: use O_DIRECT for large aligned writes where the filesystem supports it.
         storage_options: fsspec options (endpoint, credentials, ...) for ``remote``, ``load_path`` and a
             ``root`` given as a URL. Credentials are never written to manifests, logs or error messages.
         create: create a missing local root (``False``: raise ``FileNotFoundError``).
         remote: an fsspec URL (``s3://bucket/prefix``, ``gs://...``, ``memory://...``, ``file://...``) to
-            which every committed step is uploaded in the background, in commit order (see
-            :mod:`ckptstore.upload` for the order, crash safety and backlog policy).
+            which every committed step is uploaded in the background, in commit order, or a
+            :class:`~ckptstore.options.Remote` with its upload knobs (workers, retries, backlog, read-only use,
+            ``keep_local``).
         load_path: where to start from when the run has no checkpoint of its own: a store URL (its newest
             valid step), ``<store URL>/steps/<step>`` (that step, zero-padded to 12 digits or not), or model
             weights in the Hub's format, never unpickled: a ``.safetensors`` file or a ``save_pretrained``
@@ -188,12 +172,6 @@ class Store:
             one key ``load_components`` names); see :mod:`ckptstore.hub`.
         load_components: take only these top-level keys from ``load_path`` (e.g. ``("model",)`` for
             weights-only fine-tuning); the other entries of ``state`` keep their fresh values.
-        keep_local: keep at most this many committed steps on local disk once they are uploaded (the
-            newest ones; a step not yet uploaded is never removed by this rule). ``0``: no local copy of an
-            uploaded step is kept; ``resume`` then pulls from the remote.
-        upload_workers: parallel blob uploads. upload_retry: a :class:`~ckptstore.retry.RetryPolicy`
-            (deadline and per-attempt timeout in seconds). upload_backlog: steps allowed to wait for upload.
-        upload: ``False`` to use ``remote`` only to read from (resume, :meth:`pull`), never to write to it.
         read_only: open the store to read only (a rank that only loads, a second process inspecting a run):
             no uploader, no writer lease, no retention; a step only the remote holds is read straight from it,
             never pulled into ``root``. :meth:`save`, :meth:`pull`, :meth:`gc` and :meth:`delete_step` raise
@@ -202,24 +180,21 @@ class Store:
 
     def __init__(self, root, *, config: Optional[Mapping[str, Any]] = None,
                  config_may_change: Iterable[str] = (), rank: Optional[int] = None,
-                 world_size: Optional[int] = None, chunk_size: int = DEFAULT_CHUNK_SIZE, codec: str = "raw",
-                 zstd_level: int = 1, workers: int = 4, keep_last: Optional[int] = None,
-                 keep_every: Optional[int] = None, direct_io: bool = True, collective_timeout: float = 600.0,
-                 storage_options: Optional[Mapping[str, Any]] = None, create: bool = True,
-                 track_versions: bool = False, remote: Optional[str] = None, load_path: Optional[str] = None,
-                 load_components: Optional[Iterable[str]] = None, keep_local: Optional[int] = None,
-                 upload_workers: int = 8, upload_retry: Optional[RetryPolicy] = None, upload_backlog: int = 8,
-                 upload: bool = True, packing: Optional[Packing] = None,
-                 commit_timeout: Optional[float] = None, keep: Optional[Retention] = None,
-                 on_rewind: str = "error", read_only: bool = False):
-        if codec not in CODECS:
-            raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
-        if not isinstance(chunk_size, int) or chunk_size < 4096:
-            raise ValueError(f"chunk_size must be an int >= 4096 bytes, got {chunk_size!r}")
+                 world_size: Optional[int] = None, remote: Union[str, Remote, None] = None,
+                 storage_options: Optional[Mapping[str, Any]] = None, keep: Optional[Retention] = None,
+                 writing: Optional[Writing] = None, load_path: Optional[str] = None,
+                 load_components: Optional[Iterable[str]] = None, collective_timeout: float = 600.0,
+                 on_rewind: str = "error", read_only: bool = False, create: bool = True):
+        writing = writing if writing is not None else Writing()
+        if not isinstance(writing, Writing):
+            raise TypeError(f"writing must be a ckptstore.Writing, got {type(writing).__name__}")
+        remote = Remote.of(remote)
+        if keep is not None and not isinstance(keep, Retention):
+            raise TypeError(f"keep must be a ckptstore.Retention, got {type(keep).__name__}")
         self.rank, self.world_size = _default_rank_world(rank, world_size)
         if not create and is_local(root) and not os.path.isdir(_local_path(root)):
             raise FileNotFoundError(f"no store at {root}")
-        self.storage: Storage = open_storage(root, storage_options, direct_io=direct_io)
+        self.storage: Storage = open_storage(root, storage_options, direct_io=writing.direct_io)
         self.root = self.storage.url
         self._decoded = ManifestCache()          # manifests decoded by this store's catalogs (a pull, then a read)
         self.pulled: List[TransferStats] = []    # what each pull into this root did, oldest first
@@ -227,18 +202,13 @@ class Store:
         self.blobs = BlobStore(self.storage)
         self.config = normalize(config)
         self.config_may_change = tuple(config_may_change)
-        self.chunk_size, self.codec, self.zstd_level = chunk_size, codec, zstd_level
-        self.packing = packing if packing is not None else Packing()
-        if not isinstance(self.packing, Packing):
-            raise TypeError(f"packing must be a ckptstore.Packing, got {type(packing).__name__}")
+        self.writing, self.remote = writing, remote
+        self.chunk_size, self.codec, self.zstd_level = writing.chunk_size, writing.codec, writing.zstd_level
+        self.packing = writing.packing
         self._index = ChunkIndex(self.storage, self.blobs)
         self._pack_buffers = PackBuffers()
-        if keep is not None and (keep_last is not None or keep_every is not None):
-            raise ValueError("pass keep=Retention(...) or keep_last / keep_every, not both")
-        if keep is not None and not isinstance(keep, Retention):
-            raise TypeError(f"keep must be a ckptstore.Retention, got {type(keep).__name__}")
-        #: the retention policy (None: keep every step); keep_last / keep_every are mapped onto it
-        self.keep: Optional[Retention] = keep if keep is not None else from_shorthand(keep_last, keep_every)
+        #: the retention policy (None: keep every step)
+        self.keep: Optional[Retention] = keep
         self.retention = self.keep
         if on_rewind not in ON_REWIND:
             raise ValueError(f"on_rewind must be one of {ON_REWIND}, got {on_rewind!r}")
@@ -246,11 +216,12 @@ class Store:
         self._run_id: Optional[str] = None          # see run_id
         self._metrics_cache: Dict[int, Mapping[str, Any]] = {}          # local step -> metrics (retention)
         self._remote_metrics_cache: Dict[int, Mapping[str, Any]] = {}   # remote step -> metrics (uploader)
-        self.collective_timeout = float(commit_timeout if commit_timeout is not None else collective_timeout)
+        self.collective_timeout = float(collective_timeout)
         if not self.collective_timeout > 0:
             raise ValueError(f"collective_timeout must be > 0 seconds, got {collective_timeout!r}")
         self._coord = default_coordinator(self.rank, self.world_size)
-        self.track_versions = track_versions
+        self.track_versions = writing.track_versions
+        workers = writing.workers
         # The I/O pool serves blocking saves and loads too, which the caller waits for: normal priority. The
         # background save driver and the uploader run niced (see ckptstore.threads); a non-blocking save's
         # chunks go through a niced pool of their own.
@@ -272,10 +243,7 @@ class Store:
         self.storage_options = dict(storage_options or {})
         self.load_path = load_path
         self.load_components = tuple(load_components) if load_components is not None else None
-        if keep_local is not None and (isinstance(keep_local, bool) or not isinstance(keep_local, int)
-                                       or keep_local < 0):
-            raise ValueError(f"keep_local must be an int >= 0 or None, got {keep_local!r}")
-        self.keep_local = keep_local
+        self.keep_local = remote.keep_local if remote is not None else None
         #: where the last resume() came from: {"tier": "local"|"remote"|"load_path", "step": int, "url": str,
         #: "manifests_read": how many saved ranks' manifests this rank read (1 with an unchanged world size;
         #: with another, rank 0's and those whose shards overlap this rank's, see ckptstore.shardmap)}
@@ -285,11 +253,11 @@ class Store:
         self.remote_storage: Optional[Storage] = None
         self._uploader: Optional[Uploader] = None
         self._upload_args: Optional[Dict[str, Any]] = None
-        self._upload_retry = upload_retry or RetryPolicy()
+        self._upload_retry = remote.retry if remote is not None else RetryPolicy()
         if remote is not None:
-            self.remote_storage = open_storage(remote, self.storage_options)
-            upload = upload and not self.read_only
-            self._upload_args = dict(workers=upload_workers, retry=self._upload_retry, max_backlog=upload_backlog,
+            self.remote_storage = open_storage(remote.url, self.storage_options)
+            upload = remote.upload and not self.read_only
+            self._upload_args = dict(workers=remote.workers, retry=remote.retry, max_backlog=remote.backlog,
                                      on_uploaded=self._after_upload) if upload else None
             # started after resume() (or at the first save / wait / close): see Uploader.start
             if self.rank == 0 and upload:           # one uploader per store root: rank 0's, and a parts-only

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptstore import Store
+from ckptstore import Store, Writing
 from ckptstore.storage.local import LocalStorage
 
 
@@ -97,7 +97,7 @@ def test_unchanged_tensors_are_not_copied_or_hashed_with_track_versions(tmp_path
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     state = {"model": model, "optimizer": opt}
     emb_bytes = 5000 * 64 * 4
-    with Store(tmp_path, track_versions=True) as s:
+    with Store(tmp_path, writing=Writing(track_versions=True)) as s:
         for step in range(1, 4):
             model(torch.randint(0, 5000, (8,))).sum().backward()
             opt.step()
@@ -117,7 +117,7 @@ def test_unchanged_tensors_are_not_copied_or_hashed_with_track_versions(tmp_path
 
 def test_in_place_change_is_seen_and_replaced_tensor_is_seen(tmp_path):
     state = {"w": torch.zeros(1000)}
-    with Store(tmp_path, track_versions=True) as s:
+    with Store(tmp_path, writing=Writing(track_versions=True)) as s:
         s.save(state, 1)
         state["w"].add_(1)                          # bumps the version counter
         assert s.save(state, 2).bytes_unchanged == 0

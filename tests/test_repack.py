@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptstore import Packing, Store
+from ckptstore import Packing, Store, Writing
 from ckptstore.packs import ReadItem, read_chunks
 from helpers import pack_files
 
@@ -48,7 +48,7 @@ def check(root, steps):
 
 
 def make_store(root, steps=(1, 2, 3, 4, 5, 6), keep=(2, 4, 6)):
-    with Store(root, packing=SMALL) as s:
+    with Store(root, writing=Writing(packing=SMALL)) as s:
         for step in steps:
             s.save(state_at(step), step)
         for step in steps:
@@ -150,7 +150,8 @@ def test_sigkill_during_gc_and_repack_loses_nothing(tmp_path):
 @pytest.mark.remote
 def test_remote_gc_repacks(tmp_path, s3_bucket_url):
     target = s3_bucket_url
-    with Store(tmp_path / "run", packing=SMALL, remote=target.url, storage_options=target.storage_options) as s:
+    with Store(tmp_path / "run", writing=Writing(packing=SMALL), remote=target.url,
+               storage_options=target.storage_options) as s:
         for step in range(1, 5):
             s.save(state_at(step), step)
         s.wait_for_uploads()
