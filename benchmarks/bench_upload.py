@@ -371,7 +371,7 @@ class Bench:
             secs, moto_cpu, cli_cpu, _ = self._timed(store.wait_for_uploads)
             _CURRENT_PROBE[0] = None
             held = self._note_tmp()
-            st = store._uploader.uploaded[-1]
+            st = store._parts.uploader.uploaded[-1]
             ok = st.step == 1 and st.bytes_copied == self.size and 1 in Catalog(store.remote_storage).committed_steps()
             self.samples[f"ckptstore upload w={workers}"].append(dict(
                 seconds=secs, moto_cpu=moto_cpu, client_cpu=cli_cpu, bytes=self.size, ok=ok,
@@ -392,7 +392,7 @@ class Bench:
                 finally:
                     flip([t for _, t in self.changed])
                     _CURRENT_PROBE[0] = None
-                st2 = store._uploader.uploaded[-1]
+                st2 = store._parts.uploader.uploaded[-1]
                 ok2 = st2.step == 2 and st2.bytes_copied == self.changed_bytes
                 self.samples["ckptstore dedup step 2"].append(dict(
                     seconds=secs2, moto_cpu=moto2, client_cpu=cli2, bytes=st2.bytes_copied, ok=ok2,

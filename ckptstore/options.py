@@ -10,6 +10,7 @@ save.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -98,9 +99,10 @@ class Remote:
 
     @classmethod
     def of(cls, remote) -> Optional["Remote"]:
-        """``Store(remote=...)``'s value as a :class:`Remote`: ``None``, a URL string, or a :class:`Remote`."""
+        """``Store(remote=...)``'s value as a :class:`Remote`: ``None``, a URL string (or path), or a
+        :class:`Remote`."""
         if remote is None or isinstance(remote, Remote):
             return remote
-        if isinstance(remote, str):
-            return cls(remote)
+        if isinstance(remote, (str, os.PathLike)):
+            return cls(os.fspath(remote))
         raise TypeError(f"remote must be a URL string or a ckptstore.Remote, got {type(remote).__name__}")

@@ -404,9 +404,9 @@ def test_commit_marker_written_then_enospc_reports_committed(tmp_path, monkeypat
 
 def test_retention_failure_after_commit_is_logged(tmp_path, monkeypatch, caplog):
     with Store(tmp_path, keep=Retention(last=1)) as s:
-        def boom(step, since):
+        def boom(step, since, exclude):
             raise OSError(errno.EIO, "I/O error")
-        monkeypatch.setattr(s, "_apply_retention", boom)
+        monkeypatch.setattr(s._saver, "retain", boom)              # the hand-off to retention after a commit
         with caplog.at_level(logging.ERROR, logger="ckptstore"):
             assert s.save({"x": 1}, 1).committed
         assert "retention" in caplog.text

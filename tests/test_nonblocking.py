@@ -37,12 +37,12 @@ def test_second_save_waits_for_the_first_and_staging_is_reused(tmp_path):
     state = big_state()
     with Store(tmp_path) as s:
         h1 = s.save(state, 1, blocking=False)
-        held = s._staging.bytes_held
+        held = s._parts.staging.bytes_held
         assert held >= 2 * 4 * (1 << 20)
         state["w"].add_(1)
         h2 = s.save(state, 2, blocking=False)      # waits for h1 before it touches the staging buffers
         assert h1.done()
-        assert s._staging.bytes_held == held      # reused, not reallocated
+        assert s._parts.staging.bytes_held == held      # reused, not reallocated
         h2.result()
         assert s.steps() == [1, 2]
         assert torch.equal(s.load(2)["w"], state["w"])

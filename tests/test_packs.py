@@ -379,7 +379,7 @@ def test_packs_upload_and_resume_from_remote(tmp_path, remote_url):
         state["model"]["l3"].add_(1)
         s.save(state, 2)
         s.wait_for_uploads()
-        up = s._uploader.uploaded
+        up = s._parts.uploader.uploaded
         assert up[1].blobs_copied == 1                                # only the new pack of step 2 moved
     shutil.rmtree(local)
     with Store(local, remote=Remote(remote_url.url, upload=False), **opts) as s:

@@ -174,9 +174,9 @@ def test_save_and_upload_after_a_ranged_pull_dedup_against_the_pulled_chunks(tmp
         s.save(state_at(LAST + 1), LAST + 1)
         assert sum(packs_on_disk(root).values()) - before == 16 * KiB     # only the head is new
         s.wait_for_uploads()
-        assert [u.step for u in s._uploader.uploaded] == [LAST + 1]      # the pulled step is not re-sent
+        assert [u.step for u in s._parts.uploader.uploaded] == [LAST + 1]      # the pulled step is not re-sent
         # the new head pack, and the new local pack of the pulled weights (the remote has them in other packs)
-        assert s._uploader.uploaded[0].bytes_copied == 16 * KiB + LAYERS * W * 4
+        assert s._parts.uploader.uploaded[0].bytes_copied == 16 * KiB + LAYERS * W * 4
         assert s.verify() == {LAST: None, LAST + 1: None}
     url, opts = target
     with Store(url, storage_options=opts, create=False) as r:

@@ -43,7 +43,7 @@ def test_upload_then_resume_from_remote_after_local_loss(tmp_path, remote_url):
         for step in (1, 2, 3):
             s.save(state_at(step, frozen=frozen), step, metrics={"loss": 1.0 / step})
         s.wait_for_uploads()
-        stats = {u.step: u for u in s._uploader.uploaded}
+        stats = {u.step: u for u in s._parts.uploader.uploaded}
     assert sorted(stats) == [1, 2, 3]
     assert stats[2].bytes_copied == 50_000 * 4          # the frozen tensor went up once, with step 1
     with remote_store(remote_url) as r:

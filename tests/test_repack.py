@@ -70,7 +70,7 @@ def test_repack_reclaims_space_and_every_step_loads_bit_for_bit(tmp_path):
         assert r.packs_repacked >= 1 and 2 in r.steps_rewritten and r.packs_deleted == 0
         assert s.commit_info(2).manifests[0][2] == 1                  # generation 1
         items = [ReadItem(c, memoryview(bytearray(c.nbytes))) for c in old_manifest.chunk_refs()]
-        for f in read_chunks(s.storage, items, executor=s._pool):    # the old ranges are all still there
+        for f in read_chunks(s.storage, items, executor=s._parts.pool):    # the old ranges are all still there
             f.result()
         r2 = s.gc(grace_seconds=0)                                    # retired for >= 0 s: deleted now
         assert r2.packs_deleted == r.packs_repacked and r2.manifests_removed >= 1

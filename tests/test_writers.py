@@ -110,7 +110,7 @@ def test_a_holder_that_lost_its_lease_does_not_commit(tmp_path):
         st = LocalStorage(str(tmp_path))                                  # someone judged us stale and took over
         st.write_atomic(WRITER_LEASE, json.dumps({"token": "0" * 32, "kind": "writer", "host": "x", "pid": 1,
                                                   "renewed": time.time()}).encode())
-        s._writer_lease.renew()                                           # the heartbeat notices
+        s._saver.writer_lease.renew()                                           # the heartbeat notices
         with pytest.raises(CheckpointError, match="lost locks/writer.json"):
             s.save({"x": torch.zeros(10)}, 2)
         assert s.steps() == [1]
