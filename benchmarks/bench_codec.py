@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 
-from ckptstore import Store  # noqa: E402
+from ckptstore import Store, Writing  # noqa: E402
 
 
 def run(state, codec, level, base: Path, repeat: int):
@@ -27,7 +27,7 @@ def run(state, codec, level, base: Path, repeat: int):
     for _ in range(repeat):
         d = C.fresh_dir(base, f"codec_{codec}{level}_")
         try:
-            with Store(d, codec=codec, zstd_level=level) as s:
+            with Store(d, writing=Writing(codec=codec, zstd_level=level)) as s:
                 t0 = time.perf_counter()
                 r = s.save(state, 1)
                 saves.append(time.perf_counter() - t0)

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import common as C  # noqa: E402
+from ckptstore import Retention
 
 warnings.filterwarnings("ignore", message=r".*torch\.distributed is disabled.*")
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
@@ -154,7 +155,7 @@ class CkptstoreNonBlockingReused(CkptstoreNonBlocking):
     def start(self, folder: Path) -> Any:
         if getattr(self, "_store", None) is None:
             from ckptstore import Store
-            self._store = Store(str(folder.parent / "slow_reused_store"), keep_last=2)
+            self._store = Store(str(folder.parent / "slow_reused_store"), keep=Retention(last=2))
             self._step = 0
         with torch.no_grad():
             for t in C.state_tensors(self.model, self.opt):

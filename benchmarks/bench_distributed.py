@@ -58,6 +58,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))  # ckptstore from the checkout
 
 import common as C  # noqa: E402  (imports torch)
+from ckptstore import Remote
 
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
 warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed.*")
@@ -475,7 +476,7 @@ def rank_remote(cfg: dict, rank: int, world: int) -> dict:
             _perturb(model, optim)
             if m.startswith("ckptstore"):
                 def load():
-                    with Store(root, remote=f"{url}/ckpt", storage_options=opts, upload=False,
+                    with Store(root, remote=Remote(f"{url}/ckpt", upload=False), storage_options=opts,
                                collective_timeout=cfg["timeout"]) as s:
                         if m.endswith("pull all"):
                             s.pull(1)

@@ -55,7 +55,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import common as C  # noqa: E402
-from ckptstore import Store  # noqa: E402
+from ckptstore import Remote, Retention, Store, Writing  # noqa: E402
 
 warnings.filterwarnings("ignore", message=r".*torch\.distributed is disabled.*")
 
@@ -216,7 +216,7 @@ def run_finetune(name: str, args: argparse.Namespace, base: Path, device: torch.
     n_params, n_frozen = param_counts(model)
     state = {"model": model, "optimizer": opt}
     root = C.fresh_dir(base, "incr_")
-    store = Store(str(root), track_versions=track)
+    store = Store(str(root), writing=Writing(track_versions=track))
     steps: list[dict[str, Any]] = []
     outs: list[Any] = []
     expected: dict[int, dict] = {}
@@ -666,8 +666,8 @@ def section_pull(args: argparse.Namespace, base: Path) -> dict[str, Any]:
         opts = server.storage_options()
         remote = f"{server.new_bucket_url('pull')}/ckpt"
         model, opt = build_training(args.size, True, device, args.seed)
-        with Store(str(run_dir / "train"), remote=remote, storage_options=opts, keep_last=2,
-                   packing=packing) as store:
+        with Store(str(run_dir / "train"), remote=remote, storage_options=opts, keep=Retention(last=2),
+                   writing=Writing(packing=packing)) as store:
             for step in range(1, args.steps + 1):
                 train_step(model, opt, step, args.batch, args.seq, device)
                 store.save({"model": model, "optimizer": opt}, step)
@@ -687,8 +687,8 @@ def section_pull(args: argparse.Namespace, base: Path) -> dict[str, Any]:
                     m2, o2 = build_training(args.size, True, device, args.seed + 1)
                     gc.collect()
                     t0 = time.perf_counter()
-                    with Store(str(root), remote=remote, storage_options=opts, upload=False,
-                               packing=packing) as s:
+                    with Store(str(root), remote=Remote(remote, upload=False), storage_options=opts,
+                               writing=Writing(packing=packing)) as s:
                         got = s.resume({"model": m2, "optimizer": o2})
                         resume_s = time.perf_counter() - t0
                         st = s.pulled[-1]

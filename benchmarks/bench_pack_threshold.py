@@ -30,6 +30,7 @@ import torch  # noqa: E402
 
 import bench_packs as BP  # noqa: E402
 import common as C  # noqa: E402
+from ckptstore import Writing
 
 MiB = C.MiB
 
@@ -84,7 +85,7 @@ def main() -> int:
                     else:
                         thr = int(m.split()[1])
                         root = d / "store"
-                        store = Store(str(root), packing=Packing(threshold=thr, target_size=target))
+                        store = Store(str(root), writing=Writing(packing=Packing(threshold=thr, target_size=target)))
                         t0 = time.perf_counter()
                         store.save(st.store_state, 1)
                         save_s[m].append(time.perf_counter() - t0)

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # ckptstore fro
 import torch  # noqa: E402
 
 import common as C  # noqa: E402
+from ckptstore import Writing
 
 warnings.filterwarnings("ignore", message=r".*torch\.distributed is disabled.*")
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
@@ -370,7 +371,7 @@ def case_ckptstore(ctx: Ctx, p: Probe, d: Path) -> None:
         _close(store)
         # the opt-in: a tensor whose version counter and optimizer-step count did not move is neither read
         # nor hashed (the default hashes everything: the row above)
-        store = Store(str(root), track_versions=True)
+        store = Store(str(root), writing=Writing(track_versions=True))
         store.save(state, 3)
         with p.timed(CKPT_ROWS[2]) as m:
             res = store.save(state, 4)

@@ -84,6 +84,7 @@ import torch  # noqa: E402
 
 import common as C  # noqa: E402
 from backends.launcher import S3Server, open_files  # noqa: E402
+from ckptstore import Remote, Writing
 
 # --------------------------------------------------------------------------- state
 
@@ -357,8 +358,8 @@ class Bench:
         from ckptstore.catalog import Catalog
         url = self._new_bucket()
         local = C.fresh_dir(self.run_dir, "local-")
-        store = Store(local, remote=url + "/ckpt", storage_options=self.opts, upload_workers=workers,
-                      chunk_size=self.args.chunk_mb * MiB)
+        store = Store(local, remote=Remote(url + "/ckpt", workers=workers), storage_options=self.opts,
+                      writing=Writing(chunk_size=self.args.chunk_mb * MiB))
         undo = None
         try:
             store.wait_for_uploads()                  # the uploader has listed the (empty) remote
@@ -370,7 +371,7 @@ class Bench:
             secs, moto_cpu, cli_cpu, _ = self._timed(store.wait_for_uploads)
             _CURRENT_PROBE[0] = None
             held = self._note_tmp()
-            st = store._uploader.uploaded[-1]
+            st = store._parts.uploader.uploaded[-1]
             ok = st.step == 1 and st.bytes_copied == self.size and 1 in Catalog(store.remote_storage).committed_steps()
             self.samples[f"ckptstore upload w={workers}"].append(dict(
                 seconds=secs, moto_cpu=moto_cpu, client_cpu=cli_cpu, bytes=self.size, ok=ok,
@@ -391,7 +392,7 @@ class Bench:
                 finally:
                     flip([t for _, t in self.changed])
                     _CURRENT_PROBE[0] = None
-                st2 = store._uploader.uploaded[-1]
+                st2 = store._parts.uploader.uploaded[-1]
                 ok2 = st2.step == 2 and st2.bytes_copied == self.changed_bytes
                 self.samples["ckptstore dedup step 2"].append(dict(
                     seconds=secs2, moto_cpu=moto2, client_cpu=cli2, bytes=st2.bytes_copied, ok=ok2,

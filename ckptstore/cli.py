@@ -543,7 +543,7 @@ def pull_cmd(url, root, to, step, metric, mode, progress, check, storage_options
     its hash on the way; the step's commit marker is written last, so an interrupted pull (even SIGKILL) leaves
     no committed partial step, and running it again copies only what is missing."""
     from .catalog import Catalog
-    from .pointers import read_latest, write_latest
+    from .pointers import point_to_if_newest
     from .storage import open_storage
     from .store import Store
     from .transfer import RANGED_PULL_THRESHOLD, StepCopier
@@ -556,7 +556,7 @@ def pull_cmd(url, root, to, step, metric, mode, progress, check, storage_options
     src = open_storage(url, opts)
     try:
         step = _resolve_step(Catalog(src), step, metric, mode, src.url)
-        with Store(dest, storage_options=opts, upload=False) as store:
+        with Store(dest, storage_options=opts) as store:
             bar = _progress_bar(progress)
             task = None
 
@@ -564,7 +564,7 @@ def pull_cmd(url, root, to, step, metric, mode, progress, check, storage_options
                 if bar is not None:
                     bar.update(task, completed=done, total=total)
             copier = StepCopier(src, store.storage, progress=report if bar is not None else None,
-                                ranged=RANGED_PULL_THRESHOLD, pack_target=store.packing.target_size)
+                                ranged=RANGED_PULL_THRESHOLD, pack_target=store.writing.packing.target_size)
             try:
                 if bar is not None:
                     bar.start()
@@ -574,9 +574,7 @@ def pull_cmd(url, root, to, step, metric, mode, progress, check, storage_options
                 if bar is not None:
                     bar.stop()
                 copier.close()
-            latest = read_latest(store.storage)              # as Store.pull: the pointer only moves forward
-            if latest is None or latest <= step or not store.catalog.is_committed(latest):
-                write_latest(store.storage, step)
+            point_to_if_newest(store.storage, store.catalog, step)   # as Store.pull: the pointer only moves forward
             result = store.verify(step)[step] if check else None
     finally:
         src.close()

@@ -90,3 +90,23 @@ def rewind_latest(storage, to: Optional[int], is_committed, attempts: int = 20) 
         if storage.write_if_match(LATEST, encode_pointer(to), token):
             return True
     raise RuntimeError(f"latest pointer of {storage.url}: gave up after {attempts} conflicting writers")
+
+
+def point_away_from(storage, catalog, step: int) -> None:
+    """Before ``step`` stops being committed in ``catalog``: if the latest pointer names it, move the pointer to
+    the newest other committed step (or remove it), so it never names an uncommitted step."""
+    if read_latest(storage) != step:
+        return
+    older = [s for s in catalog.committed_steps() if s != step]
+    if older:
+        write_latest(storage, older[-1])
+    else:
+        clear_latest(storage)
+
+
+def point_to_if_newest(storage, catalog, step: int) -> None:
+    """After ``step`` is committed: move the latest pointer to it unless it already names a newer committed
+    step."""
+    latest = read_latest(storage)
+    if latest is None or latest <= step or not catalog.is_committed(latest):
+        write_latest(storage, step)

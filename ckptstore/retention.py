@@ -134,9 +134,7 @@ class Retention:
     step, and the ``best`` steps by ``metrics[metric]`` (``mode`` "min" or "max"). Never deleted whatever
     the policy: the newest committed step, the best step (by ``metric`` / ``mode``; ``metric=None``: no best
     criterion), a step whose upload is pending, a step a save is writing. ``Retention()`` keeps everything.
-
-    ``Store(keep_last=N, keep_every=K)`` is shorthand for ``Retention(last=N, every=K)`` (``keep_every``
-    alone keeps everything, as before)."""
+    Counts are numbers of steps; ``every`` is a step interval."""
     last: Optional[int] = None
     every: Optional[int] = None
     best: Optional[int] = None
@@ -194,28 +192,6 @@ class Retention:
     def to_delete(self, infos: Sequence[StepInfo], protected: Iterable[int] = ()) -> List[int]:
         keep = self.keep(infos, protected)
         return sorted(s.step for s in infos if s.step not in keep)
-
-
-def from_shorthand(keep_last: Optional[int] = None, keep_every: Optional[int] = None) -> Optional[Retention]:
-    """``keep_last`` / ``keep_every`` as a :class:`Retention` (``None``: keep everything, as ``keep_every``
-    alone always did)."""
-    _check_count("keep_last", keep_last)
-    _check_count("keep_every", keep_every)
-    if keep_last is None:
-        return None
-    return Retention(last=keep_last, every=keep_every)
-
-
-class RetentionPolicy(Retention):
-    """Backward-compatible name: ``RetentionPolicy(keep_last, keep_every)``; ``to_delete(steps)`` of plain
-    step numbers. New code uses :class:`Retention`."""
-
-    def __init__(self, keep_last: Optional[int] = None, keep_every: Optional[int] = None):
-        super().__init__(last=keep_last, every=keep_every if keep_last is not None else None, metric=None)
-
-    def to_delete(self, committed, protected=()):   # plain step numbers, as before
-        infos = [c if isinstance(c, StepInfo) else StepInfo(c) for c in committed]
-        return super().to_delete(infos, protected)
 
 
 # -- reading the criterion back from the commit markers -----------------------------------------------------

@@ -27,7 +27,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 from . import retention
 from .blobs import BlobStore
 from .catalog import Catalog
-from .errors import UploadError
+from .errors import CheckpointError, UploadError
+from .layout import manifest_path
 from .gc import GCReport, collect
 from .lease import acquire_writer
 from .pointers import advance_latest, rewind_latest
@@ -378,3 +379,17 @@ def apply_remote_retention(remote, policy, protected=(), *, cache: Optional[Dict
     report = call(lambda: collect(remote, catalog, BlobStore(remote, quarantine=False),
                                   grace_seconds=grace_seconds, wait=wait), f"gc of {remote.url}")
     return doomed, report
+
+
+def leads_other_root(catalog: Catalog, storage, rank: int) -> bool:
+    """Whether ``storage`` is a node-local root without rank 0's parts and ``rank`` is the lowest rank whose parts
+    it holds (judged from its newest readable committed step): that rank uploads the root's parts."""
+    for step in reversed(catalog.committed_steps()):
+        try:
+            commit = catalog.read_commit(step)
+        except CheckpointError:
+            continue
+        here = [r for r, (_, _, g) in sorted(commit.manifests.items())
+                if storage.exists(manifest_path(step, r, g))]
+        return bool(here) and 0 not in here and here[0] == rank
+    return False

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from ckptstore import Store
+from ckptstore import Store, Remote, Retention
 from ckptstore.errors import CheckpointError
 
 
@@ -152,10 +152,10 @@ def main():
     progress = {"consumed": 0, "rank": rank} if args.progress else None
     store_root = args.store.replace("{rank}", str(rank)).replace("{node}", str(rank // 2))
     from ckptstore.retry import RetryPolicy
-    store = Store(store_root, collective_timeout=args.timeout, remote=args.remote,
-                  storage_options=json.loads(args.so), upload=rank // 2 != args.no_upload_node,
-                  keep_last=args.keep_last,
-                  upload_retry=RetryPolicy(deadline=args.upload_deadline, op_timeout=30))
+    remote = Remote(args.remote, retry=RetryPolicy(deadline=args.upload_deadline, op_timeout=30),
+                    upload=rank // 2 != args.no_upload_node) if args.remote else None
+    store = Store(store_root, collective_timeout=args.timeout, remote=remote, storage_options=json.loads(args.so),
+                  keep=Retention(last=args.keep_last) if args.keep_last is not None else None)
     state = {"app": app, "step": 0}
     if progress is not None:
         state["progress"] = progress

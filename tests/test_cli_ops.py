@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptstore import Packing, Store
+from ckptstore import Packing, Store, Writing
 from helpers import blob_files, rewrite_manifest, step_dir
 from test_cli import cli
 
@@ -43,7 +43,7 @@ FROZEN = torch.arange(1000, dtype=torch.float32)          # shared by every step
 def five_steps(tmp_path):
     """Steps 1..5, loss best at step 2; each step has 2 own tensors + the shared frozen one."""
     root = tmp_path / "store"
-    with Store(root, packing=BLOBS) as s:
+    with Store(root, writing=Writing(packing=BLOBS)) as s:
         for step, loss in [(1, 3.0), (2, 0.5), (3, 2.0), (4, 1.5), (5, 2.5)]:
             s.save({"model": model_at(step), "frozen": FROZEN, "progress": {"step": step}}, step,
                    metrics={"loss": loss, "acc": step / 10})
@@ -250,7 +250,7 @@ SLOW_PULL = ("import sys, time, ckptstore.transfer as t\n"
 def big_source(tmp_path):
     """A store whose latest step is 60 blobs of 64 KiB (so a pull can be stopped midway)."""
     root = tmp_path / "src"
-    with Store(root, packing=BLOBS, chunk_size=64 << 10) as s:
+    with Store(root, writing=Writing(chunk_size=64 << 10, packing=BLOBS)) as s:
         s.save({"w": torch.randn(60 * 16384), "progress": {"step": 1}}, 1, metrics={"loss": 1.0})
         s.save({"w": torch.randn(60 * 16384), "progress": {"step": 2}}, 2, metrics={"loss": 2.0})
     return root
@@ -356,7 +356,8 @@ def test_every_command_on_a_remote_store(tmp_path, request, kind):
 @pytest.mark.parametrize("kind", ["s3", "gcs"])
 def test_verify_a_remote_store_of_blobs(tmp_path, request, kind):
     target = request.getfixturevalue(f"{kind}_bucket_url")
-    with Store(tmp_path / "run", remote=target.url, storage_options=target.storage_options, packing=BLOBS) as s:
+    with Store(tmp_path / "run", remote=target.url, storage_options=target.storage_options,
+               writing=Writing(packing=BLOBS)) as s:
         s.save({"w": torch.ones(100)}, 1)
         s.wait_for_uploads()
     p = cli("verify", target.url, "--storage-options", json.dumps(target.storage_options), check=False)

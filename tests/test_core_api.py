@@ -107,7 +107,7 @@ def test_read_only_store_reads_the_remote_and_writes_nothing(tmp_path, s3_bucket
     root = tmp_path / "rank1"
     model, opt = make(seed=1)
     with Store(root, read_only=True, **remote) as r:
-        assert r._uploader is None
+        assert r._parts.uploader is None
         assert torch.equal(r.load(2)["model"]["0.weight"], seen[2]["0.weight"])   # straight from the remote
         assert r.restore({"model": model, "optim": opt, "progress": None}) == 3
         assert equal_models(model, seen[3]) and r.resumed_from["tier"] == "remote"

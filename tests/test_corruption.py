@@ -5,7 +5,7 @@ import msgpack
 import pytest
 import torch
 
-from ckptstore import CorruptCheckpointError, IncompatibleCheckpointError, Packing, Store
+from ckptstore import CorruptCheckpointError, IncompatibleCheckpointError, Packing, Store, Writing
 from helpers import blobs_of_key, flip_byte, rewrite_manifest, step_dir
 
 # These tests damage blob files (a chunk stored alone, as every chunk at or above Packing.threshold is); the
@@ -16,7 +16,7 @@ BLOBS = Packing(threshold=0)
 @pytest.fixture
 def two_steps(tmp_path):
     """A store with steps 10 and 20 whose tensor "w" differs (so the two steps share no blob for it)."""
-    store = Store(tmp_path, packing=BLOBS)
+    store = Store(tmp_path, writing=Writing(packing=BLOBS))
     w = torch.arange(1000, dtype=torch.float32)
     store.save({"w": w, "progress": {"step": 10}}, 10)
     store.save({"w": w + 1, "progress": {"step": 20}}, 20)
@@ -174,11 +174,11 @@ def test_no_pickle_anywhere(two_steps, monkeypatch):
 def test_short_blob_on_disk_is_not_deduplicated_against(tmp_path):
     """A blob file of the wrong length (e.g. left by a power loss) is replaced, not reused, by a new save."""
     w = torch.arange(100_000, dtype=torch.float32)
-    with Store(tmp_path, packing=BLOBS) as s:
+    with Store(tmp_path, writing=Writing(packing=BLOBS)) as s:
         s.save({"w": w}, 1)
         bad = blobs_of_key(s, 1, ("w",))[0]
     bad.write_bytes(b"")
-    with Store(tmp_path, packing=BLOBS) as s:       # a new process: the blob is not known yet
+    with Store(tmp_path, writing=Writing(packing=BLOBS)) as s:       # a new process: the blob is not known yet
         r = s.save({"w": w}, 2)
         assert r.blobs_new == 1 and r.bytes_written == w.numel() * 4
         assert torch.equal(s.load(2)["w"], w)

@@ -1,7 +1,7 @@
 """Content addressing: unchanged bytes are never written twice."""
 import torch
 
-from ckptstore import Store
+from ckptstore import Store, Writing
 
 
 def make_state(seed=0, n=300_000):
@@ -11,7 +11,7 @@ def make_state(seed=0, n=300_000):
 
 def test_second_save_of_same_state_writes_nothing(tmp_path):
     state = make_state()
-    with Store(tmp_path, chunk_size=1 << 18) as s:
+    with Store(tmp_path, writing=Writing(chunk_size=1 << 18)) as s:
         first = s.save(state, 1)
         assert first.bytes_written >= first.bytes_total > 0 and first.blobs_new == first.blobs_total
         state["progress"]["step"] = 2              # plain values live in the manifest, not in blobs
@@ -22,7 +22,7 @@ def test_second_save_of_same_state_writes_nothing(tmp_path):
 
 def test_only_changed_chunks_are_written(tmp_path):
     state = make_state(n=1 << 20)                   # 4 MiB per tensor, 16 chunks of 256 KiB
-    with Store(tmp_path, chunk_size=1 << 18) as s:
+    with Store(tmp_path, writing=Writing(chunk_size=1 << 18)) as s:
         s.save(state, 1)
         state["a"][: 1 << 16] += 1                  # touches exactly the first chunk of "a"
         r = s.save(state, 2)

@@ -30,6 +30,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from ckptstore import Writing
 
 CASE_SECONDS = 10
 MEM_LIMIT = 3 << 30
@@ -83,7 +84,7 @@ def build_template(root: Path):
             "progress": {"step": step, "hist": [1, 2, (3, [4, step])], "big": 2 ** 70 + step,
                          "dt": torch.float16, "raw": b"xy", "none": None, "f": 0.5, "empty": {}},
         }
-    with Store(root, packing=Packing(threshold=8192, target_size=64 << 10), codec="zstd") as s:
+    with Store(root, writing=Writing(codec="zstd", packing=Packing(threshold=8192, target_size=64 << 10))) as s:
         s.save(state(10), 10, metrics={"loss": 1.0})
         s.save(state(20), 20, metrics={"loss": 0.5})
         m10 = s.catalog.read_manifest(s.catalog.read_commit(10), 0)

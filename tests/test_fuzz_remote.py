@@ -15,7 +15,7 @@ import time
 import pytest
 
 import test_fuzz as F
-from ckptstore import CheckpointError, Store
+from ckptstore import CheckpointError, Store, Remote
 from ckptstore.retry import RetryPolicy
 
 pytestmark = pytest.mark.remote
@@ -50,8 +50,8 @@ def test_fuzz_hostile_bucket_resumes_step_10_or_20_and_raises_only_checkpoint_er
         state = {k: None for k in expected10}
         t0 = time.monotonic()
         try:
-            with Store(tmp_path / f"local{case}", remote=prefix, storage_options=opts, upload=False,
-                       upload_retry=RetryPolicy(deadline=10, op_timeout=5)) as s:
+            remote = Remote(prefix, retry=RetryPolicy(deadline=10, op_timeout=5), upload=False)
+            with Store(tmp_path / f"local{case}", remote=remote, storage_options=opts) as s:
                 step = s.resume(state)
             if step not in (10, 20):
                 failures.append(f"case {case} ({what}): resume returned {step!r} although step 10 is intact")

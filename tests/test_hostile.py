@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from ckptstore import IncompatibleCheckpointError, CheckpointError, CorruptCheckpointError, Packing, Store, UploadError
+from ckptstore import (IncompatibleCheckpointError, CheckpointError, CorruptCheckpointError, Packing, Store,
+                       UploadError, Remote, Retention, Writing)
 from ckptstore.retry import RetryPolicy
 from helpers import blobs_of_key, chunks_of_key, flip_byte, rewrite_frame, rewrite_manifest, step_dir
 from test_cli import cli
@@ -37,7 +38,7 @@ def state_at(step, model=None):
 def two_steps(tmp_path):
     """Steps 10 and 20 sharing the blob of "shared"; step 20 is the one damaged by each test."""
     root = tmp_path / "store"
-    with Store(root, packing=BLOBS) as s:
+    with Store(root, writing=Writing(packing=BLOBS)) as s:
         s.save(state_at(10), 10)
         s.save(state_at(20), 20)
     return root
@@ -95,7 +96,7 @@ def test_wrong_claim_about_a_shared_blob_fails_only_that_step(two_steps, lie, ca
 
 
 def test_bytes_that_fail_their_hash_are_quarantined_by_load_but_not_by_verify(two_steps):
-    with Store(two_steps, packing=BLOBS) as s:
+    with Store(two_steps, writing=Writing(packing=BLOBS)) as s:
         bad = blobs_of_key(s, 20, ("own",))[0]
     flip_byte(bad, 3)
     with Store(two_steps) as s:
@@ -208,7 +209,7 @@ def test_failed_restore_applies_nothing_to_plain_entries(tmp_path):
 
 
 def test_fifo_at_a_blob_path_does_not_hang(two_steps):
-    with Store(two_steps, packing=BLOBS) as s:
+    with Store(two_steps, writing=Writing(packing=BLOBS)) as s:
         bad = blobs_of_key(s, 20, ("own",))[0]
     bad.unlink()
     os.mkfifo(bad)
@@ -225,7 +226,7 @@ def test_fifo_at_a_blob_path_does_not_hang(two_steps):
 
 # -- 3. bounded decompression and verification ---------------------------------------------------------------
 def test_zstd_header_claiming_64_gib_is_refused_before_allocating(tmp_path):
-    with Store(tmp_path, packing=BLOBS, codec="zstd") as s:
+    with Store(tmp_path, writing=Writing(codec="zstd", packing=BLOBS)) as s:
         s.save({"z": torch.zeros(1 << 16)}, 1)
         s.save({"z": torch.ones(1 << 16)}, 2)
         blob = chunks_of_key(s, 2, ("z",))[0][3]
@@ -251,12 +252,12 @@ BOUNDED = textwrap.dedent(r"""
     import resource, sys, json
     resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
     import blake3, torch, zstandard
-    from ckptstore import CheckpointError, Packing, Store
+    from ckptstore import CheckpointError, Packing, Store, Writing
     from ckptstore.manifest import frame
     sys.path.insert(0, sys.argv[2])
     from helpers import chunks_of_key, rewrite_manifest
     root, n = sys.argv[1], 4 << 30
-    with Store(root, packing=Packing(threshold=0), codec="zstd") as s:
+    with Store(root, writing=Writing(codec="zstd", packing=Packing(threshold=0))) as s:
         s.save({"z": torch.zeros(1 << 16)}, 1)
         s.save({"z": torch.ones(1 << 16)}, 2)
         s.save({"z": torch.full((1 << 16,), 2.0)}, 3)
@@ -402,10 +403,10 @@ def test_commit_marker_written_then_enospc_reports_committed(tmp_path, monkeypat
 
 
 def test_retention_failure_after_commit_is_logged(tmp_path, monkeypatch, caplog):
-    with Store(tmp_path, keep_last=1) as s:
-        def boom(step, since):
+    with Store(tmp_path, keep=Retention(last=1)) as s:
+        def boom(step, since, exclude):
             raise OSError(errno.EIO, "I/O error")
-        monkeypatch.setattr(s, "_apply_retention", boom)
+        monkeypatch.setattr(s._saver, "retain", boom)              # the hand-off to retention after a commit
         with caplog.at_level(logging.ERROR, logger="ckptstore"):
             assert s.save({"x": 1}, 1).committed
         assert "retention" in caplog.text
@@ -416,8 +417,8 @@ def test_credentials_never_appear(tmp_path, caplog):
     url = "s3://URLKEY:urlSECRET/with+slash@bucket/prefix"
     opts = dict(UNREACHABLE)
     with caplog.at_level(logging.INFO, logger="ckptstore"):
-        s = Store(tmp_path / "run", remote=url, storage_options=opts,
-                  upload_retry=RetryPolicy(deadline=2.0, op_timeout=2.0, backoff=0.05, max_backoff=0.1))
+        retry = RetryPolicy(deadline=2.0, op_timeout=2.0, backoff=0.05, max_backoff=0.1)
+        s = Store(tmp_path / "run", remote=Remote(url, retry=retry), storage_options=opts)
         texts = [repr(s), s.remote_storage.url, repr(s.remote_storage)]
         s.save({"x": torch.ones(10)}, 1)
         with pytest.raises(UploadError) as ei:

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from ckptstore import CorruptCheckpointError, Packing, RNGState, Store
+from ckptstore import CorruptCheckpointError, Packing, RNGState, Store, Remote, Writing
 from ckptstore.retry import RetryPolicy
 from ckptstore.storage import open_storage
 from dist import Job
@@ -122,7 +122,8 @@ def test_a_chunk_range_past_the_end_of_a_remote_pack_is_damage_not_a_retry(tmp_p
     """S3 answers 416, s3fs raises OSError(EINVAL): retried as transient, the resume hung until the deadline.
     Now the step is damaged at once and resume falls back to the older one."""
     url, opts = s3_bucket_url
-    with Store(tmp_path / "a", remote=url, storage_options=opts, packing=Packing(threshold=64 << 10, target_size=1 << 20)) as s:
+    packing = Packing(threshold=64 << 10, target_size=1 << 20)
+    with Store(tmp_path / "a", remote=url, storage_options=opts, writing=Writing(packing=packing)) as s:
         for step in (1, 2):
             s.save({"small": [torch.full((256,), float(step * 10 + i)) for i in range(8)]}, step)
         s.wait_for_uploads()
@@ -136,8 +137,8 @@ def test_a_chunk_range_past_the_end_of_a_remote_pack_is_damage_not_a_retry(tmp_p
                 return
     rewrite_remote_manifest(remote, 2, past_the_end)
     t0 = time.monotonic()
-    with Store(tmp_path / "b", remote=url, storage_options=opts,
-               upload_retry=RetryPolicy(deadline=120, op_timeout=30)) as s:
+    with Store(tmp_path / "b", remote=Remote(url, retry=RetryPolicy(deadline=120, op_timeout=30)),
+               storage_options=opts) as s:
         target = {"small": []}
         assert s.resume(target) == 1
     assert time.monotonic() - t0 < 60, "the unsatisfiable range was retried"

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptstore import Store
+from ckptstore import Store, Writing
 
 
 def _tensors(tree, prefix=()):
@@ -130,7 +130,7 @@ def test_track_versions_sees_fused_optimizers_and_still_skips_frozen_layers(tmp_
     frozen.weight.requires_grad_(False)
     state = {"model": model, "optimizer": opt, "frozen": frozen}
     expected = {}
-    with Store(tmp_path, track_versions=True) as s:
+    with Store(tmp_path, writing=Writing(track_versions=True)) as s:
         for step in (1, 2, 3):
             mutate()
             expected[step] = _expected(state)
@@ -145,7 +145,7 @@ def test_track_versions_sees_a_fused_step_of_an_optimizer_made_before_the_store(
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     _train(model, opt)
     state = {"model": model, "optimizer": opt}
-    with Store(tmp_path, track_versions=True) as s:
+    with Store(tmp_path, writing=Writing(track_versions=True)) as s:
         s.save(state, 1)
         _train(model, opt)
         exp = _expected(state)
@@ -155,7 +155,7 @@ def test_track_versions_sees_a_fused_step_of_an_optimizer_made_before_the_store(
 
 def test_numpy_array_values_are_saved_as_they_are_at_save_time(tmp_path):
     arr = np.zeros(1000, dtype=np.float32)
-    with Store(tmp_path, track_versions=True) as s:
+    with Store(tmp_path, writing=Writing(track_versions=True)) as s:
         s.save({"a": arr}, 1)
         arr[:] = 3.0
         s.save({"a": arr}, 2)

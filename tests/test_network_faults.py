@@ -6,6 +6,7 @@ import pytest
 
 from ckptstore.retry import RetryPolicy, is_transient
 from ckptstore.storage import open_storage
+from ckptstore import Remote
 
 pytestmark = pytest.mark.remote
 
@@ -73,8 +74,8 @@ def test_uploads_recover_in_the_same_process_once_the_network_heals(tmp_path, s3
                      config_kwargs={"retries": {"max_attempts": 3, "mode": "standard"},
                                     "connect_timeout": 2, "read_timeout": 4})
         errors = []
-        s = Store(tmp_path / "local", remote=url, storage_options=popts,
-                  upload_retry=RetryPolicy(deadline=8, op_timeout=4, backoff=0.05, max_backoff=1))
+        retry = RetryPolicy(deadline=8, op_timeout=4, backoff=0.05, max_backoff=1)
+        s = Store(tmp_path / "local", remote=Remote(url, retry=retry), storage_options=popts)
         try:
             for step in range(1, 19):
                 proxy.faults = step < 16                   # steps 1-15 under faults, then the network heals
@@ -97,7 +98,7 @@ def test_uploads_recover_in_the_same_process_once_the_network_heals(tmp_path, s3
         faults = sum(v for k, v in proxy.counts.items() if k != "ok")
     assert faults >= 5, f"the proxy injected too few faults to prove anything: {dict(proxy.counts)}"
     assert local[-1] == 18
-    with Store(tmp_path / "check", remote=url, storage_options=opts, upload=False) as r:
+    with Store(tmp_path / "check", remote=Remote(url, upload=False), storage_options=opts) as r:
         target = {"w": torch.zeros(50_000), "small": [], "step": 0}
         assert r.resume(target) == 18, "the remote did not catch up with the local store"
         assert torch.equal(target["w"], torch.full((50_000,), 18.0))
@@ -120,7 +121,7 @@ def test_a_body_damaged_in_transfer_during_a_remote_resume_is_read_again(tmp_pat
         popts = dict(opts, endpoint_url=proxy.endpoint,
                      config_kwargs={"response_checksum_validation": "when_required"})
         proxy.corrupt_bodies, proxy.corrupt_match = 1, b"/packs/"      # the newest step's pack, once
-        with Store(tmp_path / "b", remote=url, storage_options=popts, upload=False) as s:
+        with Store(tmp_path / "b", remote=Remote(url, upload=False), storage_options=popts) as s:
             target = {"w": torch.zeros(50_000), "small": [], "step": 0}
             got = s.resume(target)
         assert proxy.counts["corrupt"] == 1

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptstore import Store
+from ckptstore import Store, Writing
 from ckptstore.storage.local import LocalStorage
 
 
@@ -37,12 +37,12 @@ def test_second_save_waits_for_the_first_and_staging_is_reused(tmp_path):
     state = big_state()
     with Store(tmp_path) as s:
         h1 = s.save(state, 1, blocking=False)
-        held = s._staging.bytes_held
+        held = s._parts.staging.bytes_held
         assert held >= 2 * 4 * (1 << 20)
         state["w"].add_(1)
         h2 = s.save(state, 2, blocking=False)      # waits for h1 before it touches the staging buffers
         assert h1.done()
-        assert s._staging.bytes_held == held      # reused, not reallocated
+        assert s._parts.staging.bytes_held == held      # reused, not reallocated
         h2.result()
         assert s.steps() == [1, 2]
         assert torch.equal(s.load(2)["w"], state["w"])
@@ -97,7 +97,7 @@ def test_unchanged_tensors_are_not_copied_or_hashed_with_track_versions(tmp_path
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     state = {"model": model, "optimizer": opt}
     emb_bytes = 5000 * 64 * 4
-    with Store(tmp_path, track_versions=True) as s:
+    with Store(tmp_path, writing=Writing(track_versions=True)) as s:
         for step in range(1, 4):
             model(torch.randint(0, 5000, (8,))).sum().backward()
             opt.step()
@@ -117,7 +117,7 @@ def test_unchanged_tensors_are_not_copied_or_hashed_with_track_versions(tmp_path
 
 def test_in_place_change_is_seen_and_replaced_tensor_is_seen(tmp_path):
     state = {"w": torch.zeros(1000)}
-    with Store(tmp_path, track_versions=True) as s:
+    with Store(tmp_path, writing=Writing(track_versions=True)) as s:
         s.save(state, 1)
         state["w"].add_(1)                          # bumps the version counter
         assert s.save(state, 2).bytes_unchanged == 0

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptstore import IncompatibleCheckpointError, Packing, Retention, Store
+from ckptstore import IncompatibleCheckpointError, Packing, Retention, Store, Writing, Remote
 from ckptstore.blobs import BlobStore
 from ckptstore.catalog import Catalog
 from ckptstore.gc import collect
@@ -43,7 +43,8 @@ def state_at(step, frozen=None):
 
 
 def remote_kw(target, **kw):
-    return dict(remote=target.url, storage_options=target.storage_options, **kw)
+    """``Store`` arguments for the remote ``target``; ``kw``: :class:`~ckptstore.Remote` options."""
+    return dict(remote=Remote(target.url, **kw), storage_options=target.storage_options)
 
 
 def remote_store(target):
@@ -62,14 +63,14 @@ SAVER = textwrap.dedent("""
     import json, os, signal, sys
     sys.path.insert(0, sys.argv[1])
     import torch
-    from ckptstore import Retention, Store
+    from ckptstore import Remote, Retention, Store, Writing
     sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
     from test_operations import loss, state_at, SMALL
     root, remote, opts, first, last, keep, how = sys.argv[2:9]
-    kw = dict(keep=Retention(**json.loads(keep)) if keep != "null" else None, packing=SMALL)
+    kw = dict(keep=Retention(**json.loads(keep)) if keep != "null" else None, writing=Writing(packing=SMALL))
     if remote:
-        kw.update(remote=remote, storage_options=json.loads(opts), keep_local=json.loads(how.split(":")[1] or "null")
-                  if ":" in how else None)
+        kw.update(remote=Remote(remote, keep_local=json.loads(how.split(":")[1] or "null") if ":" in how else None),
+                  storage_options=json.loads(opts))
     s = Store(root, **kw)
     state = {"w": None, "small": None, "step": None}
     print("resumed", s.resume(state), flush=True)
@@ -144,7 +145,7 @@ def test_retention_keeps_what_the_policy_names_across_a_restart(tmp_path):
     first_id = run_saver(root, 1, 8)                                # killed after step 8
     with Store(root, create=False) as s:
         assert s.steps() == [3, 5, 7, 8]                            # last 2, every 5th, best (3)
-    with Store(root, keep=Retention(**POLICY), packing=SMALL) as s:
+    with Store(root, keep=Retention(**POLICY), writing=Writing(packing=SMALL)) as s:
         state = {"w": None, "small": None, "step": None}
         assert s.resume(state) == 8 and s.run_id == first_id
         assert s.best_step() == 3
@@ -172,7 +173,7 @@ def test_retention_on_remote_across_a_restart(tmp_path, request, kind):
         assert r.steps() == [3, 5, 7, 8]
     with Store(root, create=False) as s:
         assert s.steps() == [8]                                     # keep_local=1: local holds fewer
-    with Store(root, keep=Retention(**POLICY), packing=SMALL, keep_local=1, **remote_kw(target)) as s:
+    with Store(root, keep=Retention(**POLICY), writing=Writing(packing=SMALL), **remote_kw(target, keep_local=1)) as s:
         state = {"w": None, "small": None, "step": None}
         assert s.resume(state) == 8 and s.run_id == first_id
         for step in range(9, 13):
@@ -220,7 +221,7 @@ def test_latest_and_pending_uploads_are_never_removed(tmp_path, memory_url, monk
 def test_keep_local_zero_keeps_no_local_copy_and_resumes_from_remote(tmp_path, s3_bucket_url):
     root = tmp_path / "run"
     frozen = torch.randn(30_000)
-    with Store(root, keep_local=0, packing=SMALL, **remote_kw(s3_bucket_url)) as s:
+    with Store(root, writing=Writing(packing=SMALL), **remote_kw(s3_bucket_url, keep_local=0)) as s:
         run_id = s.run_id
         for step in (1, 2, 3):
             s.save(state_at(step, frozen), step)
@@ -234,7 +235,7 @@ def test_keep_local_zero_keeps_no_local_copy_and_resumes_from_remote(tmp_path, s
         assert s.steps() == []
     with remote_store(s3_bucket_url) as r:
         assert r.steps() == [1, 2, 3, 4] and r.verify() == {i: None for i in (1, 2, 3, 4)}
-    with Store(root, keep_local=0, packing=SMALL, **remote_kw(s3_bucket_url)) as s:
+    with Store(root, writing=Writing(packing=SMALL), **remote_kw(s3_bucket_url, keep_local=0)) as s:
         state = {"w": None, "small": None, "step": None, "frozen": None}
         assert s.resume(state) == 4 and s.resumed_from["tier"] == "remote"
         assert s.run_id == run_id
@@ -250,12 +251,12 @@ def test_save_without_resume_is_judged_against_the_remote_steps_with_keep_local_
     """A new process that saves without calling resume (its uploader has not listed the remote yet) must not
     commit a step the remote already has newer ones than: that step would never be uploaded."""
     root = tmp_path / "run"
-    with Store(root, keep_local=0, packing=SMALL, **remote_kw(s3_bucket_url)) as s:
+    with Store(root, writing=Writing(packing=SMALL), **remote_kw(s3_bucket_url, keep_local=0)) as s:
         for step in (1, 2, 3):
             s.save(state_at(step), step)
         s.wait_for_uploads(timeout=120)
         assert s.steps() == []
-    with Store(root, keep_local=0, packing=SMALL, **remote_kw(s3_bucket_url)) as s:
+    with Store(root, writing=Writing(packing=SMALL), **remote_kw(s3_bucket_url, keep_local=0)) as s:
         with pytest.raises(IncompatibleCheckpointError, match="newest committed step is 3"):
             s.save(state_at(2), 2)
         s.save(state_at(4), 4)
@@ -267,7 +268,7 @@ def test_save_without_resume_is_judged_against_the_remote_steps_with_keep_local_
 # -- rewinding a run --------------------------------------------------------------------------------------------
 def test_rewind_is_refused_by_default_and_truncate_drops_later_steps_locally(tmp_path):
     root = tmp_path / "run"
-    with Store(root, packing=SMALL) as s:
+    with Store(root, writing=Writing(packing=SMALL)) as s:
         for step in range(1, 6):
             s.save(state_at(step), step, metrics={"loss": loss(step)})
         run_id = s.run_id
@@ -277,7 +278,7 @@ def test_rewind_is_refused_by_default_and_truncate_drops_later_steps_locally(tmp
         with pytest.raises(IncompatibleCheckpointError, match="step 5"):
             s.save(state_at(5), 5)
         assert s.steps() == [1, 2, 3, 4, 5]
-    with Store(root, packing=SMALL, on_rewind="truncate") as s:
+    with Store(root, writing=Writing(packing=SMALL), on_rewind="truncate") as s:
         new3 = state_at(103)
         s.save(new3, 3, metrics={"loss": 0.1})
         assert s.steps() == [1, 2, 3] and s.latest_step() == 3
@@ -295,12 +296,12 @@ def test_rewind_is_refused_by_default_and_truncate_drops_later_steps_locally(tmp
 def test_truncate_drops_later_steps_on_the_remote_too(tmp_path, request, kind):
     target = request.getfixturevalue(f"{kind}_bucket_url")
     root = tmp_path / "run"
-    with Store(root, packing=SMALL, **remote_kw(target)) as s:
+    with Store(root, writing=Writing(packing=SMALL), **remote_kw(target)) as s:
         for step in range(1, 6):
             s.save(state_at(step), step)
         s.wait_for_uploads(timeout=120)
     assert remote_pointer(target) == 5
-    with Store(root, packing=SMALL, on_rewind="truncate", **remote_kw(target)) as s:
+    with Store(root, writing=Writing(packing=SMALL), on_rewind="truncate", **remote_kw(target)) as s:
         s.save(state_at(5), 5)                                      # re-saving the newest step: a new generation
         s.wait_for_uploads(timeout=120)
         new = state_at(203)
@@ -372,7 +373,7 @@ def test_retention_while_a_writer_saves_then_verify(tmp_path, blocking):
             errors.append(e)
     g = torch.Generator().manual_seed(0)
     frozen = {f"f{i}": torch.randn(300 + i, generator=g) for i in range(20)}
-    with Store(root, keep=policy, packing=SMALL) as s:
+    with Store(root, keep=policy, writing=Writing(packing=SMALL)) as s:
         s.save({"w": torch.zeros(10), **frozen}, 0, metrics={"loss": 10.0})
         t = threading.Thread(target=deleter, daemon=True)
         t.start()
@@ -415,7 +416,7 @@ def test_remote_retention_and_remote_gc_beside_a_writer_then_verify(tmp_path, s3
             errors.append(e)
     g = torch.Generator().manual_seed(1)
     frozen = torch.randn(5_000, generator=g)
-    with Store(tmp_path / "run", keep=policy, packing=SMALL, **remote_kw(s3_bucket_url)) as s:
+    with Store(tmp_path / "run", keep=policy, writing=Writing(packing=SMALL), **remote_kw(s3_bucket_url)) as s:
         s.save(state_at(0, frozen), 0, metrics={"loss": loss(0)})
         s.wait_for_uploads(timeout=120)
         t = threading.Thread(target=remote_deleter, daemon=True)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptstore import CheckpointError, CorruptCheckpointError, Packing, Store
+from ckptstore import CheckpointError, CorruptCheckpointError, Packing, Store, Writing, Remote
 from ckptstore.packs import coalesce, plan_packs, ReadItem
 from ckptstore.manifest import ChunkRef
 from ckptstore.state import TORCH_DTYPES
@@ -101,7 +101,7 @@ def test_every_dtype_round_trips_through_a_pack(tmp_path, dtype):
     raw = torch.randint(0, 256, (4 * 33 * 16,), dtype=torch.uint8, generator=g)
     t = raw.view(dtype).reshape(4, -1) if dtype.itemsize <= 16 else raw
     state = {"t": t, "scalar": raw[:dtype.itemsize].view(dtype).reshape(()), "empty": torch.empty(0, 3, dtype=dtype)}
-    with Store(tmp_path, packing=SMALL) as s:
+    with Store(tmp_path, writing=Writing(packing=SMALL)) as s:
         s.save(state, 1)
         assert pack_files(tmp_path) and not blob_files(tmp_path)
         assert bits_equal(s.load(1), state)
@@ -115,7 +115,7 @@ def test_chunks_at_below_and_above_the_threshold(tmp_path, codec):
              "above": torch.randn(th // 4 + 1),                                 # a blob + a 4-byte packed tail
              "multi": torch.randn(3 * th // 4 + 7),                             # chunks of th and a small tail
              "np": np.arange(100, dtype=np.int64), "npscalar": np.float64(2.5), "plain": [1, "x", None]}
-    with Store(tmp_path, packing=SMALL, chunk_size=th, codec=codec) as s:
+    with Store(tmp_path, writing=Writing(chunk_size=th, codec=codec, packing=SMALL)) as s:
         s.save(state, 1)
         where = {k: {c.pack is not None for c in (r for *_, r in chunks_of_key(s, 1, (k,)))}
                  for k in ("below", "at", "above", "multi")}
@@ -125,11 +125,11 @@ def test_chunks_at_below_and_above_the_threshold(tmp_path, codec):
 
 def test_only_small_tensors_and_only_big_ones(tmp_path):
     small, big = many_small(), {"big": torch.randn(3, 70_000)}
-    with Store(tmp_path / "a", packing=SMALL) as s:
+    with Store(tmp_path / "a", writing=Writing(packing=SMALL)) as s:
         s.save(small, 1)
         assert bits_equal(s.load(1), small)
         assert blob_files(tmp_path / "a") == [] and 2 <= len(pack_files(tmp_path / "a")) <= 10
-    with Store(tmp_path / "b", packing=SMALL) as s:
+    with Store(tmp_path / "b", writing=Writing(packing=SMALL)) as s:
         s.save(big, 1)
         assert bits_equal(s.load(1), big) and pack_files(tmp_path / "b") == []
 
@@ -147,10 +147,11 @@ def test_a_save_of_many_small_tensors_is_a_handful_of_files(tmp_path):
 # -- dedup, measured on disk ------------------------------------------------------------------------------------
 def test_unchanged_small_tensors_are_not_written_again(tmp_path):
     state = many_small()
-    with Store(tmp_path, packing=SMALL) as s:
+    with Store(tmp_path, writing=Writing(packing=SMALL)) as s:
         s.save(state, 1)
     before = files_under(tmp_path)
-    with Store(tmp_path, packing=SMALL) as s:                       # a new process: the index is rebuilt
+    with Store(tmp_path,
+               writing=Writing(packing=SMALL)) as s:                       # a new process: the index is rebuilt
         state["model"]["l7"].add_(1)
         r = s.save(state, 2)
         assert bits_equal(s.load(2), state)
@@ -166,7 +167,7 @@ def save_as_two_ranks(root, state_of_rank, step):
     import threading
 
     def run(rank):
-        with Store(root, rank=rank, world_size=2, packing=SMALL) as s:
+        with Store(root, rank=rank, world_size=2, writing=Writing(packing=SMALL)) as s:
             s.save(state_of_rank(rank), step)
     t = threading.Thread(target=run, args=(1,))
     t.start()
@@ -192,7 +193,7 @@ def test_identical_packs_of_two_ranks_are_one_file(tmp_path):
 @pytest.fixture
 def packed_steps(tmp_path):
     """Steps 10 and 20 of 40 small tensors each in one pack per step; ``w`` differs between them."""
-    store = Store(tmp_path, packing=SMALL)
+    store = Store(tmp_path, writing=Writing(packing=SMALL))
     base = many_small(n=40)
     store.save({**base, "w": torch.arange(300.0), "progress": {"step": 10}}, 10)
     store.save({**base, "w": torch.arange(300.0) + 1, "progress": {"step": 20}}, 20)
@@ -312,7 +313,7 @@ def test_gc_keeps_a_pack_while_any_step_references_it(packed_steps):
 def test_gc_then_save_rewrites_chunks_of_deleted_packs(tmp_path):
     """The writer's chunk index must not reference a pack that gc (here, another process) removed."""
     state = many_small(n=30)
-    with Store(tmp_path, packing=SMALL) as writer:
+    with Store(tmp_path, writing=Writing(packing=SMALL)) as writer:
         writer.save(state, 1)
         writer.save({"other": torch.ones(2)}, 2)
         with Store(tmp_path) as other:
@@ -341,7 +342,7 @@ def test_v1_fixture_loads_bit_for_bit(v1_store):
 
 
 def test_v1_fixture_resumes_and_takes_new_saves(v1_store):
-    with Store(v1_store, chunk_size=4096) as s:                      # the fixture's chunking: same ids
+    with Store(v1_store, writing=Writing(chunk_size=4096)) as s:   # the fixture's chunking: same ids
         state = {k: None for k in fixture_state(2)}
         assert s.resume(state) == 2 and bits_equal(state, fixture_state(2))
         before = set(p.name for p in blob_files(v1_store))
@@ -372,16 +373,16 @@ def test_packs_upload_and_resume_from_remote(tmp_path, remote_url):
     local = tmp_path / "run"
     state = many_small(n=400)
     state["big"] = torch.randn(100_000)
-    opts = dict(remote=remote_url.url, storage_options=remote_url.storage_options, packing=SMALL)
-    with Store(local, **opts) as s:
+    opts = dict(storage_options=remote_url.storage_options, writing=Writing(packing=SMALL))
+    with Store(local, remote=remote_url.url, **opts) as s:
         s.save(state, 1)
         state["model"]["l3"].add_(1)
         s.save(state, 2)
         s.wait_for_uploads()
-        up = s._uploader.uploaded
+        up = s._parts.uploader.uploaded
         assert up[1].blobs_copied == 1                                # only the new pack of step 2 moved
     shutil.rmtree(local)
-    with Store(local, **opts, upload=False) as s:
+    with Store(local, remote=Remote(remote_url.url, upload=False), **opts) as s:
         out = {k: None for k in state}
         assert s.resume(out) == 2 and s.resumed_from["tier"] == "remote"
         assert bits_equal(out, state)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptstore import CheckpointError, Packing, Store
+from ckptstore import CheckpointError, Packing, Store, Writing
 
 LAZYFS = Path(__file__).with_name("lazyfs.py")
 PACKING = Packing(threshold=64 << 10)          # "w" and "frozen" are blobs; the rest go into packs
@@ -86,7 +86,7 @@ def _writer(root: str, log: str) -> None:
     """The training job: saves STEPS, recording each step whose save returned (outside the lazy fs)."""
     code = 0
     try:
-        with Store(root, packing=PACKING) as s:
+        with Store(root, writing=Writing(packing=PACKING)) as s:
             for step in STEPS:
                 s.save(state_at(step), step)
                 with open(log, "a") as f:
@@ -118,7 +118,7 @@ def _returned(log: Path):
 def check_after_crash(root: Path, returned):
     """What must hold once the durable state is mounted again; returns a list of violations."""
     bad = []
-    with Store(root, packing=PACKING) as s:
+    with Store(root, writing=Writing(packing=PACKING)) as s:
         steps = s.steps()
         lost = sorted(set(returned) - set(steps))
         if lost:

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from ckptstore import IncompatibleCheckpointError, Store
+from ckptstore import IncompatibleCheckpointError, Store, Retention
 from helpers import chunks_of_key, data_files, flip_byte, step_dir
 
 
@@ -52,7 +52,7 @@ def test_no_temp_files_left_after_save(tmp_path):
 
 
 def test_retention_keeps_last_and_milestones_and_frees_blobs(tmp_path):
-    with Store(tmp_path, keep_last=2, keep_every=10) as s:
+    with Store(tmp_path, keep=Retention(last=2, every=10)) as s:
         for step in range(1, 13):
             s.save({"w": torch.full((1000,), float(step))}, step)
         assert s.steps() == [10, 11, 12]

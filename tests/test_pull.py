@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ckptstore.transfer as transfer
-from ckptstore import CorruptCheckpointError, Packing, Retention, Store
+from ckptstore import CorruptCheckpointError, Packing, Retention, Store, Remote, Writing
 from ckptstore.storage import open_storage
 from helpers import pack_files
 
@@ -64,18 +64,19 @@ def target(request, tmp_path):
 def run(root, target, steps=range(1, LAST + 1)):
     url, opts = target
     # the remote keeps the newest step and every 3rd: 3, 6, 7
-    with Store(root, remote=url, storage_options=opts, packing=PACKING, keep=Retention(last=1, every=3)) as s:
+    with Store(root, remote=url, storage_options=opts, writing=Writing(packing=PACKING),
+               keep=Retention(last=1, every=3)) as s:
         for step in steps:
             s.save(state_at(step), step)
         s.wait_for_uploads()
-    with Store(url, storage_options=opts, create=False, upload=False) as r:
+    with Store(url, storage_options=opts, create=False) as r:
         assert r.steps() == [3, 6, 7]
 
 
 def remote_pack_sizes(target, step):
     """pack id -> size of the packs ``step`` of the remote references."""
     url, opts = target
-    with Store(url, storage_options=opts, create=False, upload=False) as r:
+    with Store(url, storage_options=opts, create=False) as r:
         commit = r.catalog.read_commit(step)
         packs = set()
         for rank in commit.manifests:
@@ -87,10 +88,10 @@ def packs_on_disk(root):
     return {p.name[:-len(".pack")]: p.stat().st_size for p in pack_files(root)}
 
 
-def resume(root, target, **kw):
+def resume(root, target, upload=True):
     url, opts = target
     state = {"layers": None, "head": None, "progress": None}
-    s = Store(root, remote=url, storage_options=opts, packing=PACKING, **kw)
+    s = Store(root, remote=Remote(url, upload=upload), storage_options=opts, writing=Writing(packing=PACKING))
     return s, state, s.resume(state)
 
 
@@ -132,7 +133,7 @@ def test_pack_read_mostly_is_copied_whole_and_keeps_its_id(tmp_path, target, mon
         assert s.verify() == {LAST: None}
     assert packs_on_disk(root) == referenced                       # same ids, same bytes
     url, opts = target
-    with Store(url, storage_options=opts, create=False, upload=False) as r:  # marker copied verbatim
+    with Store(url, storage_options=opts, create=False) as r:  # marker copied verbatim
         assert (root / "steps" / f"{LAST:012d}" / "COMMIT").read_bytes() == r.catalog.read_commit_bytes(LAST)[0]
 
 
@@ -142,7 +143,7 @@ def test_flipped_byte_in_a_fetched_range_fails_the_pull_and_resume_falls_back(tm
     shutil.rmtree(root)
     url, opts = target
     # layer 6's weight of step 6: read by range by steps 6 and 7 (in step 6's pack [w][m]); step 3 has its own
-    with Store(url, storage_options=opts, create=False, upload=False) as r:
+    with Store(url, storage_options=opts, create=False) as r:
         manifest = r.catalog.read_manifest(r.catalog.read_commit(LAST), 0)
         ref = next(e.chunks[0] for n, e in manifest.arrays() if n.path == ("layers", 6, "w"))
     assert ref.pack is not None and ref.offset == 0
@@ -152,7 +153,7 @@ def test_flipped_byte_in_a_fetched_range_fails_the_pull_and_resume_falls_back(tm
     data[ref.offset + 1000] ^= 0x40
     fs.pipe_file(path, bytes(data))
     fs.invalidate_cache()
-    with Store(root, remote=url, storage_options=opts, packing=PACKING, upload=False) as s:
+    with Store(root, remote=Remote(url, upload=False), storage_options=opts, writing=Writing(packing=PACKING)) as s:
         with pytest.raises(CorruptCheckpointError, match=ref.blob_id) as e:
             s.pull(LAST)
         assert e.value.step == LAST
@@ -173,12 +174,12 @@ def test_save_and_upload_after_a_ranged_pull_dedup_against_the_pulled_chunks(tmp
         s.save(state_at(LAST + 1), LAST + 1)
         assert sum(packs_on_disk(root).values()) - before == 16 * KiB     # only the head is new
         s.wait_for_uploads()
-        assert [u.step for u in s._uploader.uploaded] == [LAST + 1]      # the pulled step is not re-sent
+        assert [u.step for u in s._parts.uploader.uploaded] == [LAST + 1]      # the pulled step is not re-sent
         # the new head pack, and the new local pack of the pulled weights (the remote has them in other packs)
-        assert s._uploader.uploaded[0].bytes_copied == 16 * KiB + LAYERS * W * 4
+        assert s._parts.uploader.uploaded[0].bytes_copied == 16 * KiB + LAYERS * W * 4
         assert s.verify() == {LAST: None, LAST + 1: None}
     url, opts = target
-    with Store(url, storage_options=opts, create=False, upload=False) as r:
+    with Store(url, storage_options=opts, create=False) as r:
         assert r.verify()[LAST + 1] is None
     shutil.rmtree(root)
     s, state, step = resume(root, target)

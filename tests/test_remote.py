@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from backends.pytest_plugin import require_restart
-from ckptstore import CorruptCheckpointError, Store, UploadError
+from ckptstore import CorruptCheckpointError, Store, UploadError, Remote, Writing
 from ckptstore.layout import LATEST
 from ckptstore.pointers import advance_latest, decode_pointer
 from ckptstore.retry import RetryPolicy
@@ -43,7 +43,7 @@ def test_upload_then_resume_from_remote_after_local_loss(tmp_path, remote_url):
         for step in (1, 2, 3):
             s.save(state_at(step, frozen=frozen), step, metrics={"loss": 1.0 / step})
         s.wait_for_uploads()
-        stats = {u.step: u for u in s._uploader.uploaded}
+        stats = {u.step: u for u in s._parts.uploader.uploaded}
     assert sorted(stats) == [1, 2, 3]
     assert stats[2].bytes_copied == 50_000 * 4          # the frozen tensor went up once, with step 1
     with remote_store(remote_url) as r:
@@ -74,7 +74,7 @@ def test_remote_blob_with_flipped_byte_is_detected_and_resume_falls_back(tmp_pat
     fs.pipe_file(path, bytes(data))
     fs.invalidate_cache()
     shutil.rmtree(local)
-    with Store(local, remote=remote_url.url, storage_options=remote_url.storage_options, upload=False) as s:
+    with Store(local, remote=Remote(remote_url.url, upload=False), storage_options=remote_url.storage_options) as s:
         with pytest.raises(CorruptCheckpointError, match=blob_id):
             s.pull(2)
         assert s.steps() == []                            # nothing half-pulled is visible
@@ -190,7 +190,7 @@ def test_leftover_uploads_start_after_resume_and_complete(tmp_path, s3_bucket_ur
     """Steps committed locally but never uploaded (the job died first) are uploaded by the next run, after its
     resume: the resume is the restart's critical path and gets the network and the interpreter to itself."""
     local, target = tmp_path / "run", s3_bucket_url
-    with Store(local, remote=target.url, storage_options=target.storage_options, upload=False) as s:
+    with Store(local, remote=Remote(target.url, upload=False), storage_options=target.storage_options) as s:
         s.save(state_at(1), 1)
         s.save(state_at(2), 2)
     with Store(local, remote=target.url, storage_options=target.storage_options) as s:
@@ -257,8 +257,8 @@ def test_load_path_full_state_and_explicit_step(tmp_path, remote_url):
 def test_upload_failure_is_raised_by_wait_save_and_close(tmp_path, s3_bucket_url, s3_server):
     require_restart(s3_server)
     fast = RetryPolicy(deadline=2.0, op_timeout=1.0, backoff=0.05, max_backoff=0.2)
-    s = Store(tmp_path / "run", remote=s3_bucket_url.url, storage_options=s3_bucket_url.storage_options,
-              upload_retry=fast)
+    s = Store(tmp_path / "run", remote=Remote(s3_bucket_url.url, retry=fast),
+              storage_options=s3_bucket_url.storage_options)
     s.save(state_at(1), 1)
     s.wait_for_uploads()
     s3_server.stop()
@@ -291,9 +291,9 @@ def test_upload_failure_is_raised_by_wait_save_and_close(tmp_path, s3_bucket_url
 def test_s3_outage_mid_upload_retries_and_completes(tmp_path, s3_bucket_url, s3_server):
     """The server stops answering in the middle of a step's upload, then comes back: the upload completes."""
     require_restart(s3_server)
-    with Store(tmp_path / "run", remote=s3_bucket_url.url, storage_options=s3_bucket_url.storage_options,
-               chunk_size=1 << 20, upload_workers=2,
-               upload_retry=RetryPolicy(deadline=60, op_timeout=2, backoff=0.1, max_backoff=0.5)) as s:
+    retry = RetryPolicy(deadline=60, op_timeout=2, backoff=0.1, max_backoff=0.5)
+    with Store(tmp_path / "run", remote=Remote(s3_bucket_url.url, workers=2, retry=retry),
+               storage_options=s3_bucket_url.storage_options, writing=Writing(chunk_size=1 << 20)) as s:
         s.save(state_at(1, n=4_000_000), 1)               # 16 MB in 16 blobs
         time.sleep(0.3)                                   # some blobs are up, others in flight
         s3_server.pause()
@@ -314,8 +314,9 @@ def test_s3_server_down_then_restarted(tmp_path, s3_bucket_url, s3_server):
     not forget acknowledged writes; ckptstore re-checks a step's blobs only after a failure it sees.)"""
     require_restart(s3_server)
     bucket = s3_bucket_url.url[len("s3://"):].split("/")[0]
-    with Store(tmp_path / "run", remote=s3_bucket_url.url, storage_options=s3_bucket_url.storage_options,
-               upload_retry=RetryPolicy(deadline=60, op_timeout=2, backoff=0.1, max_backoff=0.5)) as s:
+    retry = RetryPolicy(deadline=60, op_timeout=2, backoff=0.1, max_backoff=0.5)
+    with Store(tmp_path / "run", remote=Remote(s3_bucket_url.url, retry=retry),
+               storage_options=s3_bucket_url.storage_options) as s:
         s3_server.stop()
         try:
             s.save(state_at(1, n=1_000_000), 1)
@@ -331,8 +332,9 @@ def test_s3_server_down_then_restarted(tmp_path, s3_bucket_url, s3_server):
 
 def test_stalled_server_fails_by_deadline_then_recovers(tmp_path, s3_bucket_url, s3_server):
     require_restart(s3_server)
-    s = Store(tmp_path / "run", remote=s3_bucket_url.url, storage_options=s3_bucket_url.storage_options,
-              upload_retry=RetryPolicy(deadline=3, op_timeout=1, backoff=0.05, max_backoff=0.2))
+    retry = RetryPolicy(deadline=3, op_timeout=1, backoff=0.05, max_backoff=0.2)
+    s = Store(tmp_path / "run", remote=Remote(s3_bucket_url.url, retry=retry),
+              storage_options=s3_bucket_url.storage_options)
     try:
         s.save(state_at(1), 1)
         s.wait_for_uploads()
@@ -352,9 +354,9 @@ def test_stalled_server_fails_by_deadline_then_recovers(tmp_path, s3_bucket_url,
 
 UPLOAD_WRITER = textwrap.dedent("""
     import sys, torch
-    from ckptstore import Store
+    from ckptstore import Store, Writing
     local, url, opts, first = sys.argv[1], sys.argv[2], __import__("json").loads(sys.argv[3]), int(sys.argv[4])
-    with Store(local, remote=url, storage_options=opts, chunk_size=1 << 20) as s:
+    with Store(local, remote=url, storage_options=opts, writing=Writing(chunk_size=1 << 20)) as s:
         for step in range(first, first + 1000):
             g = torch.Generator().manual_seed(step)
             s.save({"w": torch.randn(1_000_000, generator=g), "step": step}, step)
@@ -421,7 +423,8 @@ def test_training_resumes_from_remote_after_local_disk_is_lost(tmp_path, request
 
 def test_keep_local_removes_uploaded_steps_only(tmp_path, s3_bucket_url):
     local = tmp_path / "run"
-    with Store(local, remote=s3_bucket_url.url, storage_options=s3_bucket_url.storage_options, keep_local=1) as s:
+    with Store(local, remote=Remote(s3_bucket_url.url, keep_local=1),
+               storage_options=s3_bucket_url.storage_options) as s:
         for step in (1, 2, 3):
             s.save(state_at(step), step)
         s.wait_for_uploads()
@@ -436,8 +439,8 @@ def test_credentials_never_reach_files_logs_or_errors(tmp_path, s3_bucket_url, s
     opts = dict(s3_bucket_url.storage_options, secret="TOPSECRET-do-not-log-4242")
     url_with_key = s3_bucket_url.url
     with caplog.at_level(logging.DEBUG, logger="ckptstore"):
-        s = Store(tmp_path / "run", remote=url_with_key, storage_options=opts, config={"lr": 0.1},
-                  upload_retry=RetryPolicy(deadline=2, op_timeout=1, backoff=0.05, max_backoff=0.1))
+        retry = RetryPolicy(deadline=2, op_timeout=1, backoff=0.05, max_backoff=0.1)
+        s = Store(tmp_path / "run", remote=Remote(url_with_key, retry=retry), storage_options=opts, config={"lr": 0.1})
         s.save(state_at(1), 1)
         s3_server.stop()
         try:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptstore import Packing, Store
+from ckptstore import Packing, Store, Writing
 from ckptstore.packs import ReadItem, read_chunks
 from helpers import pack_files
 
@@ -48,7 +48,7 @@ def check(root, steps):
 
 
 def make_store(root, steps=(1, 2, 3, 4, 5, 6), keep=(2, 4, 6)):
-    with Store(root, packing=SMALL) as s:
+    with Store(root, writing=Writing(packing=SMALL)) as s:
         for step in steps:
             s.save(state_at(step), step)
         for step in steps:
@@ -70,7 +70,7 @@ def test_repack_reclaims_space_and_every_step_loads_bit_for_bit(tmp_path):
         assert r.packs_repacked >= 1 and 2 in r.steps_rewritten and r.packs_deleted == 0
         assert s.commit_info(2).manifests[0][2] == 1                  # generation 1
         items = [ReadItem(c, memoryview(bytearray(c.nbytes))) for c in old_manifest.chunk_refs()]
-        for f in read_chunks(s.storage, items, executor=s._pool):    # the old ranges are all still there
+        for f in read_chunks(s.storage, items, executor=s._parts.pool):    # the old ranges are all still there
             f.result()
         r2 = s.gc(grace_seconds=0)                                    # retired for >= 0 s: deleted now
         assert r2.packs_deleted == r.packs_repacked and r2.manifests_removed >= 1
@@ -150,7 +150,8 @@ def test_sigkill_during_gc_and_repack_loses_nothing(tmp_path):
 @pytest.mark.remote
 def test_remote_gc_repacks(tmp_path, s3_bucket_url):
     target = s3_bucket_url
-    with Store(tmp_path / "run", packing=SMALL, remote=target.url, storage_options=target.storage_options) as s:
+    with Store(tmp_path / "run", writing=Writing(packing=SMALL), remote=target.url,
+               storage_options=target.storage_options) as s:
         for step in range(1, 5):
             s.save(state_at(step), step)
         s.wait_for_uploads()

@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptstore import RNGState, Store
+from ckptstore import RNGState, Store, Writing
 from ckptstore.state import TORCH_DTYPES
 
 
@@ -156,7 +156,7 @@ def test_arbitrary_plain_trees_round_trip(tmp_path_factory, value):
 def test_chunking_any_shape(tmp_path_factory, shape, dtype, chunk, seed):
     gen = torch.Generator().manual_seed(seed)
     t = random_tensor(dtype, tuple(shape) + (1000,), gen)      # big enough to span several chunks
-    with Store(tmp_path_factory.mktemp("c"), chunk_size=chunk) as s:
+    with Store(tmp_path_factory.mktemp("c"), writing=Writing(chunk_size=chunk)) as s:
         s.save({"t": t}, 0)
         assert bits_equal(s.load(0)["t"], t)
 
@@ -164,7 +164,7 @@ def test_chunking_any_shape(tmp_path_factory, shape, dtype, chunk, seed):
 def test_zstd_codec_round_trip_and_smaller(tmp_path):
     t = torch.zeros(1 << 20, dtype=torch.bfloat16)
     t[::7] = 1.5
-    with Store(tmp_path, codec="zstd") as s:
+    with Store(tmp_path, writing=Writing(codec="zstd")) as s:
         r = s.save({"t": t, "noise": torch.randn(4096)}, 0)
         assert r.bytes_written < r.bytes_total / 4
         assert bits_equal(s.load(0)["t"], t)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptstore import CheckpointError, Packing, Store
+from ckptstore import CheckpointError, Packing, Store, Retention, Writing
 from ckptstore import lease as lease_mod
 from ckptstore.catalog import Catalog
 from ckptstore.layout import GC_LEASE, INFLIGHT, WRITER_LEASE
@@ -110,7 +110,7 @@ def test_a_holder_that_lost_its_lease_does_not_commit(tmp_path):
         st = LocalStorage(str(tmp_path))                                  # someone judged us stale and took over
         st.write_atomic(WRITER_LEASE, json.dumps({"token": "0" * 32, "kind": "writer", "host": "x", "pid": 1,
                                                   "renewed": time.time()}).encode())
-        s._writer_lease.renew()                                           # the heartbeat notices
+        s._saver.writer_lease.renew()                                           # the heartbeat notices
         with pytest.raises(CheckpointError, match="lost locks/writer.json"):
             s.save({"x": torch.zeros(10)}, 2)
         assert s.steps() == [1]
@@ -157,7 +157,7 @@ def test_ranks_of_one_job_share_the_root(tmp_path):
 
     def run(rank):
         try:
-            with Store(tmp_path, rank=rank, world_size=2, packing=SMALL) as s:
+            with Store(tmp_path, rank=rank, world_size=2, writing=Writing(packing=SMALL)) as s:
                 for step in (1, 2):
                     s.save({"w": torch.full((5000,), float(rank + step))}, step)
         except Exception as e:        # pragma: no cover - reported below
@@ -186,7 +186,7 @@ GC_LOOP = """
 @pytest.mark.parametrize("blocking", [True, False])
 def test_cli_gc_beside_saves_damages_nothing(tmp_path, blocking):
     root = tmp_path / "store"
-    with Store(root, packing=SMALL, keep_last=3) as s:
+    with Store(root, writing=Writing(packing=SMALL), keep=Retention(last=3)) as s:
         s.save({"w": torch.zeros(10)}, 0)
         p = child(GC_LOOP, root)
         lines = []
@@ -217,7 +217,7 @@ def test_gc_never_deletes_an_old_orphan_a_save_in_flight_deduplicated(tmp_path, 
     """A killed save left an orphan blob (old mtime); a new save reuses it by name; gc (default grace) in
     another process runs between that dedup and the commit: it waits for the save instead of deleting."""
     big = torch.randn(300_000)
-    with Store(tmp_path, packing=Packing(threshold=0)) as s:              # every chunk a blob
+    with Store(tmp_path, writing=Writing(packing=Packing(threshold=0))) as s:              # every chunk a blob
         s.save({"w": big}, 1)
         s.delete_step(1, force=True)                                     # its blob: an orphan, as a killed
     orphan = blob_files(tmp_path)                                        # save leaves it
@@ -232,7 +232,7 @@ def test_gc_never_deletes_an_old_orphan_a_save_in_flight_deduplicated(tmp_path, 
         assert go.wait(60)
         return real(self, *a, **kw)
     monkeypatch.setattr(Catalog, "write_manifest", slow_write_manifest)
-    with Store(tmp_path, packing=Packing(threshold=0)) as s:
+    with Store(tmp_path, writing=Writing(packing=Packing(threshold=0))) as s:
         result = []
         t = threading.Thread(target=lambda: result.append(s.save({"w": big}, 2)))
         t.start()
@@ -253,7 +253,7 @@ def test_gc_never_deletes_an_old_orphan_a_save_in_flight_deduplicated(tmp_path, 
 
 
 def test_store_gc_waits_for_its_nonblocking_save(tmp_path):
-    with Store(tmp_path, packing=SMALL) as s:
+    with Store(tmp_path, writing=Writing(packing=SMALL)) as s:
         for step in range(1, 6):
             h = s.save({"w": torch.randn(50_000), "s": torch.randn(100)}, step, blocking=False)
             r = s.gc(grace_seconds=0)
@@ -313,7 +313,7 @@ class Exploding:
 
 def test_failed_resave_keeps_the_old_step(tmp_path, monkeypatch):
     old = {"w": torch.randn(100_000), "small": torch.randn(50)}
-    with Store(tmp_path, packing=SMALL, on_rewind="truncate") as s:
+    with Store(tmp_path, writing=Writing(packing=SMALL), on_rewind="truncate") as s:
         s.save(old, 5)
         with pytest.raises(OSError):
             s.save({**old, "opt": Exploding()}, 5)                       # fails before anything is written
@@ -340,11 +340,11 @@ def test_failed_resave_keeps_the_old_step(tmp_path, monkeypatch):
 # -- gc never follows a symlink ------------------------------------------------------------------------------
 def test_gc_does_not_follow_symlinks(tmp_path):
     a, b, outside = tmp_path / "a", tmp_path / "b", tmp_path / "outside"
-    with Store(a, packing=Packing(threshold=0)) as s:
+    with Store(a, writing=Writing(packing=Packing(threshold=0))) as s:
         s.save({"w": torch.randn(1000)}, 1)
     b.mkdir()
     (b / "objects").symlink_to(a / "objects")                           # two stores sharing objects/
-    with Store(b, packing=Packing(threshold=0)) as s:
+    with Store(b, writing=Writing(packing=Packing(threshold=0))) as s:
         s.save({"v": torch.randn(1000)}, 1)
         r = s.gc(grace_seconds=0)
         assert r.blobs_deleted == 0

@@ -1,0 +1,375 @@
+"""Loading: which committed step to read (``resolve``, ``find``, the newest valid one) and reading it, into a
+nested dict (``load``) or into ``state`` in place (``restore``, ``resume``), from the local root, the remote or
+``load_path``.
+
+:class:`Loader` wires the pure pieces to one store's parts: the candidate walk and the ranks' agreement
+(:mod:`ckptstore.resume`), the tiers (:mod:`ckptstore.resolve`), reading a step for any world size and mesh
+(:mod:`ckptstore.restore`), Hub-format weights (:mod:`ckptstore.hub`). A remote step is pulled through the
+``pull`` callable it is given (:meth:`ckptstore.maintenance.Maintenance.pull_step`).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, Iterable, List, MutableMapping, Optional, Tuple
+
+from . import hub
+from . import retention as _retention
+from .blobs import BlobStore
+from .catalog import Catalog
+from .errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
+from .layout import check_step, manifest_path
+from .manifest import Commit
+from .parts import Parts, quiet
+from .reader import MapLocation, read_nodes
+from .resolve import candidates, split_load_path
+from .restore import StepLoader
+from .resume import first_valid_step, parts_needed, restore_into
+from .runconfig import differences
+from .state import gc_paused
+from .storage import open_storage
+from .storage.retrying import with_read_retries
+
+log = logging.getLogger("ckptstore")
+
+Tier = Tuple[int, str]          # (step, "local" | "remote")
+
+
+class Loader:
+    """Reads of one store (see :class:`~ckptstore.store.Store`'s ``load`` / ``find`` / ``resolve`` /
+    ``restore`` / ``resume`` / ``best_step`` for the contracts). ``resumed_from``: where the last resume or
+    restore came from."""
+
+    def __init__(self, parts: Parts, *, config_may_change: Iterable[str] = (), load_path: Optional[str] = None,
+                 load_components: Optional[Iterable[str]] = None,
+                 pull: Callable[..., None]):
+        self.p = parts
+        self.config_may_change = tuple(config_may_change)
+        self.load_path = load_path
+        self.load_components = tuple(load_components) if load_components is not None else None
+        self.pull = pull
+        self.resumed_from: Optional[Dict[str, Any]] = None
+        self._manifests_read = 0
+        self._touched = False                       # DTensor targets written in place by a resume attempt
+
+    # -- listing and choosing -----------------------------------------------------------------------------
+    def remote_reader(self) -> Tuple[Catalog, BlobStore]:
+        """The remote's catalog and blobs for reading a step in place (its reads retried, see
+        :func:`~ckptstore.storage.retrying.with_read_retries`)."""
+        remote = with_read_retries(self.p.remote_storage, self.p.retry)
+        return Catalog(remote, self.p.decoded), BlobStore(remote, quarantine=False)
+
+    def _catalog(self, tier: str) -> Catalog:
+        return self.p.catalog if tier == "local" else self.remote_reader()[0]
+
+    def tier_of(self, step: int) -> Optional[str]:
+        """Where committed ``step`` is: ``"local"``, else ``"remote"``, else ``None``."""
+        if self.p.catalog.is_committed(step):
+            return "local"
+        if self.p.remote_storage is not None and quiet(lambda: self._catalog("remote").is_committed(step)):
+            return "remote"
+        return None
+
+    def candidates(self) -> List[Tier]:
+        """``(step, tier)`` newest first over the local root and the remote (see :meth:`_listing`)."""
+        p = self.p
+        return self._listing(Catalog(p.remote_storage, p.decoded) if p.remote_storage else None)[0]
+
+    def _listing(self, remote_catalog: Optional[Catalog]) -> Tuple[List[Tier], bool]:
+        """``(candidates newest first, remote reachable)`` (:func:`ckptstore.resolve.candidates`); an unreachable
+        remote is logged and the local steps alone are listed: it must not block a local resume."""
+        try:
+            return list(candidates(self.p.catalog, remote_catalog)), True
+        except Exception as e:
+            if remote_catalog is None:
+                raise
+            log.warning("remote %s unreachable (%s: %s): local steps only", self.p.remote_storage.url,
+                        type(e).__name__, e)
+            return [(s, "local") for s in reversed(self.p.catalog.committed_steps())], False
+
+    def find(self, name: str) -> Optional[int]:
+        for s, tier in self.candidates():
+            try:
+                if name in self._catalog(tier).read_commit(s).names:
+                    return s
+            except CheckpointError:
+                continue
+        return None
+
+    def best_step(self) -> Optional[int]:
+        p = self.p
+        metric, mode = (p.keep.metric, p.keep.mode) if p.keep is not None and p.keep.metric else (None, None)
+        commits = {}
+        for s in p.catalog.committed_steps():
+            try:
+                commits[s] = p.catalog.read_commit(s)
+            except CheckpointError:
+                continue
+        if p.remote_storage is not None:
+            remote = Catalog(p.remote_storage)
+            try:
+                for s in remote.committed_steps():
+                    if s not in commits:
+                        try:
+                            commits[s] = remote.read_commit(s)
+                        except CheckpointError:
+                            continue
+            except Exception as e:
+                log.warning("best_step: remote %s unreachable (%s: %s): local steps only", p.remote_storage.url,
+                            type(e).__name__, e)
+        return _retention.best_step(commits.values(), metric=metric, mode=mode)
+
+    def resolve(self) -> Optional[Tuple[Optional[int], str]]:
+        p = self.p
+
+        def usable(s, tier) -> bool:
+            try:
+                commit = self._catalog(tier).read_commit(s)
+                rank = p.rank if commit.world_size == p.world_size else 0
+                if tier == "local" and rank in commit.manifests and not p.storage.exists(
+                        manifest_path(s, rank, commit.manifests[rank][2])):
+                    raise CorruptCheckpointError(f"manifest of rank {rank} missing", step=s)
+                return True
+            except CheckpointError as e:
+                log.warning("step %d (%s) is not usable: %s", s, tier, e)
+                return False
+
+        def decide():
+            for s, tier in self.candidates():
+                if usable(s, tier):
+                    return [s, tier]
+                if tier == "local" and p.remote_storage is not None and usable(s, "remote"):
+                    return [s, "remote"]          # resume repairs a damaged local step from the remote
+            if self.load_path is not None:
+                url, step = split_load_path(self.load_path)
+                if step is None and hub.open_weights(url, p.storage_options) is not None:
+                    return [None, "load_path"]
+                catalog = Catalog(with_read_retries(open_storage(url, p.storage_options), p.retry))
+                for s in ([step] if step is not None else reversed(catalog.committed_steps())):
+                    if quiet(lambda: catalog.read_commit(s) is not None):
+                        return [s, "load_path"]
+            return None
+        if p.coord is None:
+            found = decide()
+        else:
+            tag = p.coord.next_tag("resolve")
+            found = p.coord.broadcast(f"{tag}/found", {"found": decide() if p.rank == 0 else None},
+                                      p.collective_timeout)["found"]
+        return None if found is None else (found[0], str(found[1]))
+
+    # -- load: a step as a nested dict --------------------------------------------------------------------------
+    def load(self, step: Optional[int], map_location: MapLocation, rank: Optional[int]) -> Dict[str, Any]:
+        if step is not None:
+            check_step(step)
+            tier = self.tier_of(step)
+            if tier is None:
+                raise FileNotFoundError(f"step {step} is not committed in {self.p.where()}")
+            return self._read(step, map_location=map_location, rank=rank, tier=tier)
+        for s, tier in self.candidates():
+            try:
+                return self._read(s, map_location=map_location, rank=rank, tier=tier)
+            except CorruptCheckpointError as e:
+                log.warning("step %d (%s) is corrupt, trying an older one: %s", s, tier, e)
+        raise FileNotFoundError(f"no valid committed step in {self.p.where()}")
+
+    def _read(self, step: int, *, map_location: MapLocation, rank: Optional[int] = None,
+              tier: str = "local") -> Dict[str, Any]:
+        """One rank's part of a committed step as a nested dict, sharded values as full tensors, read from the
+        local root or (``tier="remote"``) straight from the remote. A single-process store may read any rank's
+        part (inspection); a rank of a run reads its own part only if the world size matches."""
+        p = self.p
+        catalog, blobs = (p.catalog, p.blobs) if tier == "local" else self.remote_reader()
+        commit = catalog.read_commit(step)
+        rank = p.rank if rank is None else rank
+        if commit.world_size != p.world_size and rank == p.rank and p.world_size != 1:
+            raise IncompatibleCheckpointError(
+                f"checkpoint was written by world_size={commit.world_size}, this run has "
+                f"world_size={p.world_size}: load() reads one rank's part; resume() reshards", step=commit.step)
+        if not 0 <= rank < commit.world_size:
+            raise CheckpointError(f"step {step} was written by world_size={commit.world_size}: no rank {rank}")
+        loader = StepLoader(catalog, blobs, commit, rank=rank, world_size=commit.world_size,
+                            executor=p.pool, read_nodes=self._read_nodes)
+        with gc_paused():
+            return loader.load(loader.saved_keys(), {}, map_location=map_location)
+
+    def _read_nodes(self, blobs, manifest, **kw):
+        """:func:`read_nodes`; a chunk of this store found damaged is dropped from the chunk index, so the next
+        save writes a good copy instead of referencing it."""
+        try:
+            return read_nodes(blobs, manifest, executor=self.p.pool, **kw)
+        except CorruptCheckpointError as e:
+            if blobs is self.p.blobs and e.blob and len(e.blob) == 64:
+                self.p.index.forget(chunk_ids=[e.blob])
+            raise
+
+    # -- restore / resume: a step into state, in place -------------------------------------------------------
+    def restore(self, state: MutableMapping[str, Any], step: Optional[int], *,
+                keys: Optional[Iterable[str]], strict: bool, rank_local: str) -> int:
+        if step is not None:
+            check_step(step)
+        try:
+            found = self._load_newest(state, strict, rank_local, step=step,
+                                      keys=tuple(keys) if keys is not None else None)
+        finally:
+            self._start_uploads()
+        if found is None:
+            raise FileNotFoundError(f"step {step} is not committed in {self.p.where()}" if step is not None else
+                                    f"no valid committed step in {self.p.where()}")
+        return found[0]
+
+    def resume(self, state: MutableMapping[str, Any], *, strict: bool, rank_local: str) -> Optional[int]:
+        try:
+            found = self._load_newest(state, strict, rank_local)
+            if found is not None:
+                return found[0]
+            if self._touched:
+                raise CheckpointError(f"no valid step left in {self.p.root} to load into the sharded (DTensor) "
+                                      "values that a damaged step partly overwrote: refusing a fresh start with "
+                                      "them")
+            if self.load_path is not None:
+                return self._resume_from_load_path(state, strict)
+            log.info("no valid checkpoint in %s: fresh start", self.p.where())
+            return None
+        finally:
+            self._start_uploads()
+
+    def _start_uploads(self) -> None:
+        if self.p.uploader is not None:        # held back until the restart's reads are done: Uploader.start
+            self.p.uploader.start()
+
+    def _load_newest(self, state, strict: bool, rank_local: str, *, step: Optional[int] = None,
+                     keys: Optional[Tuple[str, ...]] = None) -> Optional[Tier]:
+        """Load the newest valid step (or exactly ``step``: then its failure is raised, not skipped) into
+        ``state``, agreed by every rank (:func:`~ckptstore.resume.first_valid_step`); sets ``resumed_from``.
+        Returns ``(step, tier)`` or ``None`` when no step loads."""
+        p = self.p
+        self.resumed_from = None
+        self._touched = False
+        remote_catalog = Catalog(p.remote_storage, p.decoded) if p.remote_storage is not None else None
+        pulled: set = set()
+
+        def list_candidates():
+            nonlocal remote_catalog
+            if step is not None:                      # an empty list: restore raises FileNotFoundError
+                tier = self.tier_of(step)
+                return [(step, tier)] if tier is not None else []
+            listed, reachable = self._listing(remote_catalog)
+            if not reachable:
+                remote_catalog = None                 # no repairs from an unreachable remote either
+            return listed
+
+        def attempt(s, tier):
+            return self._resume_step(state, s, tier, remote_catalog, pulled, strict, rank_local, keys)
+        found = first_valid_step(list_candidates, attempt, coord=p.coord, timeout=p.collective_timeout,
+                                 tag=p.coord.next_tag("resume") if p.coord is not None else None,
+                                 substitute=step is None)
+        if found is not None:
+            s, tier = found
+            self.resumed_from = {"tier": tier, "step": s, "url": p.root if tier == "local" else
+                                 p.remote_storage.url, "manifests_read": self._manifests_read}
+            if keys is not None:
+                self.resumed_from["keys"] = list(keys)
+            log.info("restored step %d (%s)%s", s, tier, f", keys {list(keys)}" if keys is not None else "")
+        return found
+
+    def _resume_step(self, state, step, tier, remote_catalog, pulled, strict, rank_local, keys=None) -> str:
+        """Load ``step`` into ``state`` for this rank: pull it first when this root lacks it, repair it from
+        the remote when the local copy is damaged. Returns the tier it came from; raises CheckpointError."""
+        p = self.p
+        load = dict(strict=strict, check_config=True, rank_local=rank_local, components=keys)
+        if not p.catalog.is_committed(step):
+            if remote_catalog is None:
+                raise CorruptCheckpointError("not committed in this rank's root and no remote to pull from",
+                                             step=step)
+            # reads of the step chosen are retried (the listing is not: an unreachable remote must not hold
+            # up a resume from local steps); a failed read would otherwise count as damage
+            step_catalog, step_blobs = self.remote_reader()
+            saved = step_catalog.read_commit_bytes(step)
+            if (saved[1].world_size != p.world_size and saved[1].world_size > 1) or p.read_only:
+                # Written by another layout of ranks: its parts are not this rank's to keep. Each rank reads
+                # straight from the remote only the ranges its targets overlap (through the step's shard map),
+                # instead of every node pulling every rank's part.
+                self._restore(state, step_catalog, step_blobs, step, commit=saved[1], **load)
+                p.adopt_run_id(saved[1].run_id)
+                return "remote"
+            self.pull(step, ranks=parts_needed(saved[1].world_size, p.world_size, p.rank), source=saved)
+            pulled.add(step)
+            tier = "remote"
+        try:
+            self._restore(state, p.catalog, p.blobs, step, **load)
+        except CorruptCheckpointError as e:
+            if remote_catalog is None or step in pulled or not quiet(lambda: remote_catalog.is_committed(step)):
+                raise
+            if p.read_only:
+                log.warning("local step %d is damaged (%s): reading it from %s", step, e, p.remote_storage.url)
+                catalog, blobs = self.remote_reader()
+            else:
+                log.warning("local step %d is damaged (%s): repairing it from %s", step, e, p.remote_storage.url)
+                self.pull(step)
+                catalog, blobs = p.catalog, p.blobs
+            self._restore(state, catalog, blobs, step, **load)
+            tier = "remote"
+        try:          # this run's id is the one the resumed step's commit marker records (every rank reads it)
+            p.adopt_run_id(p.catalog.read_commit(step).run_id)
+        except CheckpointError:
+            pass
+        return tier
+
+    def _restore(self, state, catalog, blobs, step, *, strict, check_config, components=None,
+                 rank_local: str = "error", commit: Optional[Commit] = None) -> None:
+        """Load ``step`` from ``catalog`` / ``blobs`` into ``state`` (:func:`ckptstore.resume.restore_into`),
+        checking the run config first; ``commit``: its marker, when the caller read it already. Raises
+        Corrupt/IncompatibleCheckpointError."""
+        p = self.p
+        commit = commit if commit is not None else catalog.read_commit(step)
+        if check_config:
+            diffs = differences(commit.config, p.config, self.config_may_change)
+            if diffs:
+                raise IncompatibleCheckpointError("run config differs from the checkpoint's", step=step,
+                                                  differing=diffs)
+        loader = StepLoader(catalog, blobs, commit, rank=p.rank, world_size=p.world_size,
+                            executor=p.pool, read_nodes=self._read_nodes)
+        try:
+            restore_into(state, loader, strict=strict, components=components, rank_local=rank_local)
+        finally:
+            self._touched = self._touched or loader.touched
+            self._manifests_read = loader.manifests_read
+
+    # -- load_path ----------------------------------------------------------------------------------------------
+    def _resume_from_load_path(self, state, strict) -> Optional[int]:
+        p = self.p
+        url, step = split_load_path(self.load_path)
+        if step is None:
+            weights = hub.open_weights(url, p.storage_options, wrap=lambda s: with_read_retries(s, p.retry))
+            if weights is not None:                  # Hub-format weights (safetensors): a weights-only start
+                return self._start_from_weights(state, *weights)
+        storage = with_read_retries(open_storage(url, p.storage_options), p.retry)
+        catalog, blobs = Catalog(storage), BlobStore(storage, quarantine=False)
+        steps = [step] if step is not None else list(reversed(catalog.committed_steps()))
+        if step is not None and not catalog.is_committed(step):
+            raise CheckpointError(f"load_path {storage.url}: step {step} is not committed")
+        components = self.load_components
+        for s in steps:
+            try:
+                self._restore(state, catalog, blobs, s, strict=strict, check_config=False, components=components)
+            except CorruptCheckpointError as e:
+                if step is not None:
+                    raise
+                log.warning("load_path %s: step %d is damaged, trying an older one: %s", storage.url, s, e)
+                continue
+            self.resumed_from = {"tier": "load_path", "step": s, "url": storage.url,
+                                 "components": list(components) if components else None}
+            log.info("no checkpoint of this run yet: initialised from %s step %d%s", storage.url, s,
+                     f" (components {list(components)})" if components else "")
+            return None if components is not None else s
+        raise CheckpointError(f"load_path {storage.url} holds no valid committed step")
+
+    def _start_from_weights(self, state, storage, files, weight_map) -> None:
+        """``load_path`` names safetensors weights (see :mod:`ckptstore.hub`): load them into one top-level
+        key of ``state``; the run starts fresh (returns ``None``), ``resumed_from`` says what was loaded."""
+        key = hub.target_key(state, self.load_components, storage.url)
+        hub.apply_weights(state, hub.read_weights(storage, files, weight_map), key, storage.url)
+        self.resumed_from = {"tier": "load_path", "step": None, "url": storage.url, "components": [key],
+                             "files": list(files)}
+        log.info("no checkpoint of this run yet: initialised state[%r] from %s (%d safetensors file(s))", key,
+                 storage.url, len(files))
+        return None

@@ -1,0 +1,244 @@
+"""Maintenance of one store: retention after each commit and each upload, ``keep_local``, :meth:`gc`,
+:meth:`verify`, :meth:`delete_step` and pulling a remote step into the local root.
+
+Every deletion goes through :func:`ckptstore.retention.apply` / :meth:`ckptstore.catalog.Catalog.delete_step`
+(commit marker first) and every sweep through :func:`ckptstore.gc.collect` under the gc lease; here they are
+only scheduled: after a commit (the saver's ``retain`` hand-off), after an upload (the uploader's callback),
+or when asked.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import wait as futures_wait
+from typing import Dict, List, Optional, Tuple
+
+from . import retention as _retention
+from . import transfer
+from .blobs import stream_check
+from .catalog import Catalog
+from .errors import CheckpointError, CorruptCheckpointError
+from .gc import GCReport, collect
+from .layout import check_step, pack_path
+from .manifest import Commit, Manifest
+from .packs import ReadItem, read_chunks
+from .parts import Parts
+from .pointers import point_away_from, point_to_if_newest
+from .reader import stored_sizes
+from .state import path_str
+from .transfer import StepCopier, TransferStats
+from .upload import apply_remote_retention
+
+log = logging.getLogger("ckptstore")
+
+RETENTION_WAIT = 5.0      # seconds retention's sweep waits for other ranks' saves in flight before deferring
+STREAM_VERIFY_BYTES = 16 << 20   # packed chunks larger than this are hashed as streams by verify
+
+
+class Maintenance:
+    """Retention, gc, verify, deletion and pulls of one store (see :class:`~ckptstore.store.Store`'s methods of
+    the same names for the contracts). ``pulled``: what each pull into this root did, oldest first."""
+
+    def __init__(self, parts: Parts):
+        self.p = parts
+        self.pulled: List[TransferStats] = []
+
+    # -- after a commit, after an upload --------------------------------------------------------------------
+    def after_commit(self, step: int, since: float, exclude: Optional[str]) -> bool:
+        """After a commit this rank wrote: delete the steps retention drops, then sweep under the gc lease
+        (waiting a little for other ranks' saves in flight, else deferring the sweep to a later save), sparing
+        the in-flight marker ``exclude``. Step ``step`` is committed already: a failure here is logged, never
+        raised (an exception from ``save`` means the step is not committed). Returns whether a sweep ran."""
+        p = self.p
+        try:
+            protected = set(p.uploader.pending()) if p.uploader is not None else set()
+            protected.add(step)
+            doomed = _retention.apply(p.catalog, p.keep, protected, cache=p.metrics_cache,
+                                      before_delete=self._point_away_from)
+            stale = [s for s in p.catalog.step_dirs() if s < step and not p.catalog.is_committed(s)]
+            if doomed or (stale and p.world_size == 1):
+                # Blobs written before this save began and no longer referenced can go: no save is in flight
+                # (the gc lease waits for in-flight markers). Uncommitted directories of older steps are crash
+                # leftovers of this job (it holds the writer lease).
+                r = collect(p.storage, p.catalog, p.blobs,
+                            grace_seconds=max(0.0, time.perf_counter() - since) if p.world_size == 1 else 3600.0,
+                            keep_steps={step}, index=p.index, exclude=[exclude], wait=RETENTION_WAIT)
+                return not r.deferred
+        except Exception as e:
+            log.error("step %d is committed, but retention / gc after it failed (retried after the next save): "
+                      "%s: %s", step, type(e).__name__, e)
+        return False
+
+    def after_upload(self, step: int) -> None:
+        """Uploader callback: apply retention to the remote (its own copy of the policy's result), then
+        ``keep_local`` (local steps older than the newest uploaded one may go)."""
+        p = self.p
+        self._apply_remote_retention(step)
+        keep_local = p.remote.keep_local if p.remote is not None else None
+        if keep_local is None:
+            return
+        with p.maint:
+            pending = set(p.uploader.pending()) - {step} if p.uploader is not None else set()
+            local = p.catalog.committed_steps()
+            newest = set(local[-keep_local:]) if keep_local > 0 else set()
+            keep = newest | pending | {s for s in local if s > step}
+            doomed = [s for s in local if s not in keep]
+            for s in doomed:
+                self._point_away_from(s)
+                p.catalog.delete_step(s)
+                p.metrics_cache.pop(s, None)
+            if doomed:
+                collect(p.storage, p.catalog, p.blobs, grace_seconds=0.0, index=p.index, wait=0.0)
+                log.info("keep_local=%d: removed local steps %s (uploaded)", keep_local, doomed)
+
+    def _apply_remote_retention(self, step: int) -> None:
+        """On the uploader's thread, after ``step`` is uploaded: delete the remote steps the policy drops, then
+        gc the remote under its gc lease (see :func:`ckptstore.upload.apply_remote_retention`). Logged, never
+        raised: the step is uploaded."""
+        p = self.p
+        if p.keep is None or not p.keep.deletes or p.uploader is None:
+            return
+        try:
+            apply_remote_retention(p.remote_storage, p.keep, {step}, cache=p.remote_metrics_cache,
+                                   wait=RETENTION_WAIT, call=p.uploader.copier.call)
+        except Exception as e:
+            log.error("step %d is uploaded, but retention on %s failed (retried after the next upload): %s: %s",
+                      step, p.remote_storage.url, type(e).__name__, e)
+
+    def _point_away_from(self, step: int) -> None:
+        point_away_from(self.p.storage, self.p.catalog, step)
+
+    # -- asked for ----------------------------------------------------------------------------------------------
+    def gc(self, *, grace_seconds: float, dry_run: bool, force: bool, repack: Optional[float],
+           wait_seconds: float) -> GCReport:
+        p = self.p
+        handle = p.inflight
+        if handle is not None:
+            futures_wait([handle._future])         # its error, if any, stays for wait() / the next save
+        with p.maint:
+            r = collect(p.storage, p.catalog, p.blobs, grace_seconds=grace_seconds, dry_run=dry_run,
+                        force=force, index=p.index, repack=repack, wait=wait_seconds, buffers=p.pack_buffers)
+            if r.packs_repacked:
+                p.index.clear()                  # its packs were retired: learn the new locations
+                p.versions.clear()
+            return r
+
+    def delete_step(self, step: int, *, remote: bool, force: bool) -> None:
+        p = self.p
+        check_step(step)
+        inflight = p.inflight
+        if inflight is not None and not inflight.done() and inflight.step == step:
+            raise CheckpointError(f"step {step} is being saved: it cannot be deleted now")
+        if step == p.newest_committed() and not force:
+            raise CheckpointError(f"step {step} is the newest committed step of {p.root}: it is never deleted "
+                                  "(save a newer one first)")
+        with p.maint:
+            self._point_away_from(step)
+            p.catalog.delete_step(step)
+        p.metrics_cache.pop(step, None)
+        if remote and p.writes_remote:
+            p.uploader.delete_after_uploads(step)
+            p.remote_metrics_cache.pop(step, None)
+
+    def pull(self, step: Optional[int]) -> int:
+        p = self.p
+        if p.remote_storage is None:
+            raise CheckpointError("pull needs Store(..., remote=URL)")
+        remote_catalog = Catalog(p.remote_storage)
+        if step is None:
+            steps = remote_catalog.committed_steps()
+            if not steps:
+                raise FileNotFoundError(f"no committed step in {p.remote_storage.url}")
+            step = steps[-1]
+        elif not remote_catalog.is_committed(check_step(step)):
+            raise FileNotFoundError(f"step {step} is not committed in {p.remote_storage.url}")
+        self.pull_step(step)
+        return step
+
+    def pull_step(self, step: int, ranks: Optional[List[int]] = None,
+                  source: Optional[Tuple[bytes, Commit]] = None) -> None:
+        """Copy a committed remote step (``ranks``' parts only, if given) into the local root (blobs
+        verified), then mark it committed here. ``source``: its remote commit marker (bytes, decoded), when
+        the caller read it already."""
+        p = self.p
+        copier = StepCopier(p.remote_storage, p.storage, retry=p.retry, decoded=p.decoded,
+                            ranged=transfer.RANGED_PULL_THRESHOLD, pack_target=p.writing.packing.target_size)
+        try:
+            with p.maint:
+                stats = copier.copy_step(step, ranks=ranks, source=source)
+                point_to_if_newest(p.storage, p.catalog, step)
+        finally:
+            copier.close()
+        log.info("pulled step %d from %s: %d objects, %d bytes written, %d bytes fetched (%d pack(s) whole, "
+                 "%d by %d range(s)) in %.2f s", step, p.remote_storage.url, stats.blobs_copied,
+                 stats.bytes_copied, stats.bytes_fetched, stats.packs_whole, stats.packs_ranged,
+                 stats.ranges_fetched, stats.seconds)
+        self.pulled.append(stats)
+
+    # -- verify -------------------------------------------------------------------------------------------------
+    def verify(self, step: Optional[int]) -> Dict[int, Optional[str]]:
+        catalog = self.p.catalog
+        steps = [step] if step is not None else catalog.committed_steps()
+        out: Dict[int, Optional[str]] = {}
+        for s in steps:
+            try:
+                commit = catalog.read_commit(s)
+                if commit.shards is not None:
+                    catalog.read_shard_map(commit)
+                for rank in sorted(commit.manifests):
+                    self._verify_manifest(catalog.read_manifest(commit, rank))
+                out[s] = None
+            except CheckpointError as e:
+                out[s] = str(e)
+        return out
+
+    def _verify_manifest(self, manifest: Manifest, batch_bytes: int = 64 << 20) -> None:
+        """Read and hash every distinct chunk of ``manifest`` in bounded memory: sizes are checked against the
+        files first, at most ``batch_bytes`` of small packed chunks are held at once, and blobs and large
+        chunks are hashed as streams. Read-only: nothing is quarantined. Raises ``CorruptCheckpointError`` for
+        the first bad chunk."""
+        p = self.p
+        stored_sizes(p.blobs, manifest, manifest.nodes, executor=p.pool, quarantine=False)
+        seen, futures, batch, held = set(), [], [], 0
+
+        def flush():
+            nonlocal batch, held
+            for f in read_chunks(p.storage, batch, executor=p.pool, gap=p.storage.coalesce_gap):
+                f.result()
+            batch, held = [], 0
+        for node, entry in manifest.arrays():
+            for c in entry.chunks:
+                if c.blob_id in seen:
+                    continue
+                seen.add(c.blob_id)
+                key = path_str(node.path)
+                if c.pack is None:
+                    futures.append(p.pool.submit(p.blobs.verify, c.blob_id, c.codec, c.nbytes,
+                                                 step=manifest.step, key=key))
+                elif c.nbytes > STREAM_VERIFY_BYTES:
+                    futures.append(p.pool.submit(_verify_packed_stream, p.storage, c, manifest.step, key))
+                else:
+                    batch.append(ReadItem(c, memoryview(bytearray(c.nbytes)), manifest.step, key))
+                    held += c.nbytes
+                    if held >= batch_bytes:
+                        flush()
+        flush()
+        for f in futures:
+            f.result()
+
+
+def _verify_packed_stream(storage, c, step, key) -> None:
+    """Hash one large packed chunk as a stream (``verify`` holds at most a few MiB per chunk)."""
+    import zstandard
+    try:
+        ok, got = stream_check(storage, pack_path(c.pack), c.codec, nbytes=c.nbytes, blob_id=c.blob_id,
+                               offset=c.offset, stored=c.stored)
+    except OSError as e:
+        raise CorruptCheckpointError(f"pack unreadable ({e.strerror or e})", step=step, key=key,
+                                     blob=c.blob_id) from None
+    except (ValueError, zstandard.ZstdError) as e:
+        raise CorruptCheckpointError(f"chunk unreadable ({e}) (pack {c.pack})", step=step, key=key,
+                                     blob=c.blob_id) from None
+    if not ok:
+        raise CorruptCheckpointError(f"chunk content does not match its hash (pack {c.pack})", step=step,
+                                     key=key, blob=c.blob_id)
