@@ -58,6 +58,11 @@ class LogAndCrash(TrainerCallback):
     def __init__(self, a, trainer_ref):
         self.a, self.trainer_ref = a, trainer_ref
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        if args.process_index == 0 and self.a.log:
+            _durable_append(self.a.log, {"start": True,
+                                         "resumed_step": getattr(self.trainer_ref(), "resumed_step", None)})
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
         rec = {k: logs[k] for k in ("loss", "eval_loss") if k in logs}
