@@ -140,6 +140,8 @@ def main() -> None:
     trainer.add_callback(LogAndCrash(a, weakref.ref(trainer)))
 
     resume = {"auto": "auto", "true": True, "none": None}.get(a.resume, a.resume)
+    if a.plain and resume == "auto":                  # transformers' own Trainer knows no "auto"
+        resume = None
     if isinstance(resume, str) and resume.isdigit():
         resume = int(resume)
     trainer.train(resume_from_checkpoint=resume)
