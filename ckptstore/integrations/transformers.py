@@ -177,21 +177,25 @@ class CkptstoreTrainerMixin:
     def _ckpt_step_url(self, step: int) -> str:
         return f"{self.store.root}/steps/{step}"
 
-    def _ckpt_parse_step_url(self, url: Any) -> Optional[int]:
-        """The step of ``"<this store's root or remote>/steps/<N>"``, or ``None`` for anything else."""
-        if not isinstance(url, str):
+    def _ckpt_step_of(self, url: Any) -> Optional[int]:
+        """The step of a step URL ``"<store>/steps/<N>"`` (any store root: a resumed run may have its local root
+        elsewhere), or ``None`` for anything else (an HF checkpoint dir)."""
+        m = _STEP_URL.match(url) if isinstance(url, str) else None
+        return int(m.group("step")) if m else None
+
+    def _ckpt_parse_step_url(self, url: str) -> Optional[int]:
+        """The step of ``"<this store's root or remote URL>/steps/<N>"``; ``ValueError`` for another store's."""
+        step = self._ckpt_step_of(url)
+        if step is None:
             return None
-        m = _STEP_URL.match(url)
-        if m is None:
-            return None
-        base = m.group("store").rstrip("/")
-        mine = {str(self.store.root).rstrip("/"), os.path.abspath(str(self.store.root))}
+        base = _STEP_URL.match(url).group("store").rstrip("/")
+        mine = {str(self.store.root).rstrip("/")}
         if self._ckpt_remote_url:
             mine.add(self._ckpt_remote_url.rstrip("/"))
         if base not in mine and os.path.abspath(base) not in mine:
             raise ValueError(f"resume_from_checkpoint={url!r} names a step of another store than this trainer's "
                              f"({sorted(mine)})")
-        return int(m.group("step"))
+        return step
 
     # -- saving -------------------------------------------------------------------------------------------
     def _ckpt_state(self, full: bool) -> Dict[str, Any]:
@@ -281,7 +285,7 @@ class CkptstoreTrainerMixin:
                     log.info("no checkpoint in %s: fresh start", self.store.root)
         elif isinstance(rfc, int) and not isinstance(rfc, bool):
             step = rfc
-        elif isinstance(rfc, str) and _STEP_URL.match(rfc) and not os.path.isdir(rfc):
+        elif isinstance(rfc, str) and _STEP_URL.match(rfc):
             step = self._ckpt_parse_step_url(rfc)
         if step is not None:
             rfc = self._ckpt_materialise(step)
@@ -313,7 +317,8 @@ class CkptstoreTrainerMixin:
         self.store.restore(holder, step, keys=list(holder))
         meta, ts = holder["ckptstore_hf"], dict(holder["trainer_state"])
         best = ts.get("best_model_checkpoint")
-        ts["best_model_checkpoint"] = None      # HF drops a path that is no local dir: put back after its check
+        if self._ckpt_step_of(best) is not None:   # HF drops a path that is no local dir: set again after that
+            ts["best_model_checkpoint"] = None
         d = os.path.abspath(os.path.join(self.args.output_dir, _RESUME_DIR, f"rank{self.args.process_index}",
                                          f"checkpoint-{step}"))
         os.makedirs(d, exist_ok=True)
@@ -336,10 +341,10 @@ class CkptstoreTrainerMixin:
     def _init_training_state(self, *args, **kwargs):
         out = super()._init_training_state(*args, **kwargs)
         r = self._ckpt_resume
-        if r is not None and r.best_model_checkpoint is not None:
-            best = self._ckpt_parse_step_url(r.best_model_checkpoint)
-            if best is None or self.store.find(f"checkpoint-{best}") == best:
-                self.state.best_model_checkpoint = r.best_model_checkpoint
+        best = self._ckpt_step_of(r.best_model_checkpoint) if r is not None else None
+        if best is not None:
+            if self.store.find(f"checkpoint-{best}") == best:
+                self.state.best_model_checkpoint = self._ckpt_step_url(best)
             else:
                 log.warning("the best step %s recorded in step %d is gone (retention?): ignored",
                             r.best_model_checkpoint, r.step)
@@ -382,7 +387,7 @@ class CkptstoreTrainerMixin:
         self.store.restore({"rng": RNGState()}, r.step, keys=["rng"], rank_local="fresh")
 
     def _load_best_model(self) -> None:
-        step = self._ckpt_parse_step_url(self.state.best_model_checkpoint)
+        step = self._ckpt_step_of(self.state.best_model_checkpoint)
         if step is None:
             return super()._load_best_model()
         log.info("loading the best model from step %d of %s (score: %s)", step, self.store.root,
