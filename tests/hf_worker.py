@@ -90,7 +90,7 @@ def arm_kill_in_save(store, step: int) -> None:
     storage.write_atomic = write_atomic
 
 
-def main() -> None:
+def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--store")
@@ -103,6 +103,7 @@ def main() -> None:
                    "load_best_model_at_end")
     p.add_argument("--save-only-model", action="store_true")
     p.add_argument("--resume", default="auto", help="auto | true | none | an int step | a URL or dir")
+    p.add_argument("--on-rewind", default="error")
     p.add_argument("--kill-at", type=int)
     p.add_argument("--kill-in-save", type=int)
     p.add_argument("--uploads-before-kill", action="store_true")
@@ -110,8 +111,12 @@ def main() -> None:
     p.add_argument("--plain", action="store_true", help="transformers' own Trainer (its own checkpoints)")
     p.add_argument("--log")
     p.add_argument("--n-train", type=int, default=32)
-    a = p.parse_args()
+    return p.parse_args(argv)
 
+
+def make_trainer(a: argparse.Namespace):
+    """The trainer ``a`` describes, with the logging / crashing callback."""
+    import weakref
     torch.manual_seed(0)
     cfg = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.1,
                      embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0)
@@ -133,12 +138,17 @@ def main() -> None:
         trainer = CkptstoreTrainer(model=model, args=args, train_dataset=ds_train, eval_dataset=ds_eval,
                                    store=a.store, remote=a.remote,
                                    storage_options=json.loads(a.storage_options) if a.remote else None,
-                                   ckptstore_blocking=not a.non_blocking, collective_timeout=60)
+                                   ckptstore_blocking=not a.non_blocking, collective_timeout=60,
+                                   on_rewind=a.on_rewind)
         if a.kill_in_save is not None:
             arm_kill_in_save(trainer.store, a.kill_in_save)
-    import weakref
     trainer.add_callback(LogAndCrash(a, weakref.ref(trainer)))
+    return trainer
 
+
+def main() -> None:
+    a = parse()
+    trainer = make_trainer(a)
     resume = {"auto": "auto", "true": True, "none": None}.get(a.resume, a.resume)
     if a.plain and resume == "auto":                  # transformers' own Trainer knows no "auto"
         resume = None

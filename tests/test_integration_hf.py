@@ -177,15 +177,16 @@ def test_local_root_wiped_resumes_from_s3_with_retention(tmp_path, reference, s3
 def test_resume_from_transformers_own_checkpoint_dir(tmp_path, reference):
     """Migration: a run of the plain Trainer killed after step 5 leaves HF's own checkpoint-4; the adapter's
     ``"auto"`` finds no store step, resumes from that directory through HF's own loading, and continues bit
-    for bit, its checkpoints now going to the store."""
+    for bit, its checkpoints now going to the store (non-blocking saves here), the best model loaded at the end
+    from the store."""
     from ckptstore import Store
     cmd = ["--out", str(tmp_path / "out"), "--store", str(tmp_path / "store"), "--log", str(tmp_path / "log"),
            "--eval"]
     run_worker(*cmd, "--plain", "--kill-at", "5", expect_kill=True)
     assert (tmp_path / "out" / "checkpoint-4" / "trainer_state.json").is_file()
-    res = run_worker(*cmd)
+    res = run_worker(*cmd, "--non-blocking")
     runs = read_runs(tmp_path / "log")
-    assert res["resumed_step"] is None
+    assert res["resumed_step"] is None and res["model"] == reference["result"]["model"]
     assert_matches([(None, runs[0][1]), (4, runs[1][1])], reference["ref"])
     with Store(tmp_path / "store", read_only=True) as s:
         assert s.steps() == [6, 8, 10, 12]
@@ -249,3 +250,71 @@ def test_importing_ckptstore_does_not_import_transformers():
     code = ("import sys, ckptstore, ckptstore.integrations; "
             "assert 'transformers' not in sys.modules, 'transformers imported'")
     subprocess.run([sys.executable, "-c", code], env=_env(), cwd=str(REPO), check=True)
+
+
+def test_explicit_step_and_url_resume_in_process(tmp_path, caplog):
+    """In one process: ``resume_from_checkpoint`` as a step URL and as an int resumes exactly that step (the
+    losses after it equal the first run's; with ``on_rewind="truncate"`` the later steps are saved again);
+    an uncommitted step raises FileNotFoundError, another store's URL ValueError; a ``save_only_model`` step
+    resumes the model only, with a warning."""
+    import hf_worker
+    from transformers import TrainerCallback
+
+    class Losses(TrainerCallback):
+        def __init__(self):
+            self.seen = {}
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                self.seen[state.global_step] = logs["loss"]
+
+    def train(*argv, resume="auto"):
+        a = hf_worker.parse(["--out", str(tmp_path / "out"), "--store", str(tmp_path / "store"), "--steps", "6",
+                             "--on-rewind", "truncate", *argv])
+        trainer = hf_worker.make_trainer(a)
+        losses = Losses()
+        trainer.add_callback(losses)
+        try:
+            trainer.train(resume_from_checkpoint=resume)
+            return trainer, losses.seen, trainer.store.steps()
+        finally:
+            trainer.store.close()
+
+    first, ref, steps = train(resume=None)
+    assert sorted(ref) == [1, 2, 3, 4, 5, 6] and steps == [2, 4, 6]
+    t, seen, steps = train(resume=f"{tmp_path / 'store'}/steps/2")
+    assert t.resumed_step == 2 and seen == {s: ref[s] for s in (3, 4, 5, 6)} and steps == [2, 4, 6]
+    t, seen, _ = train(resume=4)
+    assert t.resumed_step == 4 and seen == {5: ref[5], 6: ref[6]}
+    with pytest.raises(FileNotFoundError, match="step 5"):
+        train(resume=5)
+    with pytest.raises(ValueError, match="another store"):
+        train(resume=f"{tmp_path / 'elsewhere'}/steps/2")
+
+    a = hf_worker.parse(["--out", str(tmp_path / "out2"), "--store", str(tmp_path / "store2"), "--steps", "4",
+                         "--save-only-model"])
+    trainer = hf_worker.make_trainer(a)
+    trainer.train()
+    saved = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.store.close()
+    a.steps = 6
+    trainer = hf_worker.make_trainer(a)
+    at_rng_restore = []                # the weights when HF restores the RNG: after every load of the resume
+
+    def spy(checkpoint):
+        at_rng_restore.append({k: v.clone() for k, v in trainer.model.state_dict().items()})
+        return type(trainer)._load_rng_state(trainer, checkpoint)
+    trainer._load_rng_state = spy
+    try:
+        with caplog.at_level("WARNING", logger="ckptstore.integrations.transformers"):
+            trainer.train(resume_from_checkpoint="auto")
+    finally:
+        trainer.store.close()
+    assert trainer.resumed_step == 4 and trainer.state.global_step == 6
+    assert "save_only_model" in caplog.text
+    assert at_rng_restore and all(torch_equal(at_rng_restore[0][k], saved[k]) for k in saved)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+    return torch.equal(a, b)
