@@ -104,6 +104,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--save-only-model", action="store_true")
     p.add_argument("--resume", default="auto", help="auto | true | none | an int step | a URL or dir")
     p.add_argument("--on-rewind", default="error")
+    p.add_argument("--load-path")
     p.add_argument("--kill-at", type=int)
     p.add_argument("--kill-in-save", type=int)
     p.add_argument("--uploads-before-kill", action="store_true")
@@ -139,7 +140,7 @@ def make_trainer(a: argparse.Namespace):
                                    store=a.store, remote=a.remote,
                                    storage_options=json.loads(a.storage_options) if a.remote else None,
                                    ckptstore_blocking=not a.non_blocking, collective_timeout=60,
-                                   on_rewind=a.on_rewind)
+                                   on_rewind=a.on_rewind, load_path=a.load_path)
         if a.kill_in_save is not None:
             arm_kill_in_save(trainer.store, a.kill_in_save)
     trainer.add_callback(LogAndCrash(a, weakref.ref(trainer)))

@@ -255,8 +255,9 @@ def test_importing_ckptstore_does_not_import_transformers():
 def test_explicit_step_and_url_resume_in_process(tmp_path, caplog):
     """In one process: ``resume_from_checkpoint`` as a step URL and as an int resumes exactly that step (the
     losses after it equal the first run's; with ``on_rewind="truncate"`` the later steps are saved again);
-    an uncommitted step raises FileNotFoundError, another store's URL ValueError; a ``save_only_model`` step
-    resumes the model only, with a warning."""
+    an uncommitted step raises FileNotFoundError, another store's URL ValueError; a new run with
+    ``Store(load_path=<step URL>)`` starts at step 0 from that step's model; a ``save_only_model`` step resumes
+    the model only, with a warning."""
     import hf_worker
     from transformers import TrainerCallback
 
@@ -290,6 +291,27 @@ def test_explicit_step_and_url_resume_in_process(tmp_path, caplog):
         train(resume=5)
     with pytest.raises(ValueError, match="another store"):
         train(resume=f"{tmp_path / 'elsewhere'}/steps/2")
+
+    # a new run whose store has no step of its own starts from Store(load_path=...)'s model, at step 0
+    a = hf_worker.parse(["--out", str(tmp_path / "out3"), "--store", str(tmp_path / "store3"), "--steps", "2",
+                         "--load-path", f"{tmp_path / 'store'}/steps/6"])
+    trainer = hf_worker.make_trainer(a)
+    at_begin = []
+
+    class AtBegin(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            at_begin.append({k: v.clone() for k, v in trainer.model.state_dict().items()})
+    trainer.add_callback(AtBegin())
+    try:
+        trainer.train(resume_from_checkpoint="auto")
+        assert trainer.resumed_step is None and trainer.state.global_step == 2
+        assert trainer.store.steps() == [2]
+    finally:
+        trainer.store.close()
+    from ckptstore import Store
+    with Store(tmp_path / "store", read_only=True) as s:
+        six = s.load(6)["model"]
+    assert set(six) <= set(at_begin[0]) and all(torch_equal(at_begin[0][k], six[k]) for k in six)
 
     a = hf_worker.parse(["--out", str(tmp_path / "out2"), "--store", str(tmp_path / "store2"), "--steps", "4",
                          "--save-only-model"])

@@ -258,9 +258,11 @@ class CkptstoreTrainerMixin:
     def train(self, resume_from_checkpoint: Any = None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """HF's ``train`` with ``resume_from_checkpoint`` extended:
 
-        - ``"auto"`` or ``True``: the newest valid step of the store (local, then remote: ``Store.resolve()``),
-          else the newest HF ``checkpoint-N`` dir in ``output_dir`` holding ``trainer_state.json`` (a run
-          started with the plain Trainer), else a fresh start (HF's own ``True`` raises on a first launch);
+        - ``"auto"`` or ``True``: the newest valid step of the store (local, then remote: ``Store.resolve()``);
+          else, with ``Store(load_path=...)``, a fresh start from those model weights (a ckptstore step's
+          ``"model"`` or Hub-format safetensors); else the newest HF ``checkpoint-N`` dir in ``output_dir``
+          holding ``trainer_state.json`` (a run started with the plain Trainer); else a fresh start (HF's own
+          ``True`` raises on a first launch);
         - an ``int`` step or ``"<store root or remote URL>/steps/<N>"``: that step (``FileNotFoundError`` when it
           is not committed, ``ValueError`` for another store's URL);
         - any other path: HF's own checkpoint directory, loaded by HF's code (migration).
@@ -272,13 +274,13 @@ class CkptstoreTrainerMixin:
         step: Optional[int] = None
         if rfc is True or rfc == "auto":
             found = self.store.resolve()
-            if found is not None and found[1] == "load_path":
-                log.warning("resume_from_checkpoint=%r: the store has no step of this run; load_path %s is not "
-                            "loaded by the trainer adapter (load it into the model before train())", rfc,
-                            getattr(self.store, "load_path", None))
-                found = None
-            if found is not None:
+            rfc = None
+            if found is not None and found[1] != "load_path":
                 step = found[0]
+            elif found is not None:             # no step of this run: the Store's load_path seeds the model
+                self.store.resume({"model": self.model}, strict=False)
+                log.info("no step of this run in %s: the model starts from load_path (%s), training from step 0",
+                         self.store.root, self.store.resumed_from)
             else:
                 rfc = self._ckpt_hf_checkpoint()
                 if rfc is None:
