@@ -38,11 +38,12 @@ module checks at import that they exist.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import logging
 import os
 import re
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import transformers
 from transformers import Trainer
@@ -64,10 +65,9 @@ OVERRIDDEN = ("train", "_save_checkpoint", "_load_from_checkpoint", "_load_optim
 STATE_KEYS = ("model", "optimizer", "scheduler", "scaler", "rng", "trainer_state", "ckptstore_hf")
 _RESUME_DIR = ".ckptstore-resume"
 _STEP_URL = re.compile(r"^(?P<store>.+?)/+steps/+(?P<step>[0-9]{1,12})/*$")
-_STORE_ARGS = ("config", "config_may_change", "rank", "world_size", "chunk_size", "codec", "zstd_level", "workers",
-               "keep_last", "keep_every", "direct_io", "collective_timeout", "create", "track_versions",
-               "load_path", "load_components", "keep_local", "upload_workers", "upload_retry", "upload_backlog",
-               "upload", "packing", "commit_timeout", "keep", "on_rewind", "read_only")
+#: Store keyword arguments the trainer's constructor passes through (besides store=, remote=, storage_options=)
+_STORE_ARGS = tuple(n for n in inspect.signature(Store.__init__).parameters
+                    if n not in ("self", "root", "remote", "storage_options"))
 
 
 def _check_transformers(trainer_cls=Trainer, version: str = transformers.__version__) -> None:
