@@ -152,6 +152,7 @@ def test_local_folder_wiped_resumes_from_s3(tmp_path, reference, s3_bucket_url):
     assert _remote_steps(url, so) == list(range(1, STEPS + 1))     # close() waited for the uploads
 
 
+@pytest.mark.slow
 @pytest.mark.remote
 def test_keep_latest_k_locally_and_remotely_across_a_restart(tmp_path, s3_bucket_url):
     url, so = s3_bucket_url
