@@ -12,6 +12,7 @@ loop, so the integration is the state dict and a recipe::
 
     set_seed(0)
     accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    train_dl = DataLoader(dataset, batch_size=32, shuffle=True, generator=torch.Generator())   # see below
     model, opt, sched, train_dl = accelerator.prepare(model, opt, sched, train_dl)
     store = Store("ckpt/run1", remote="s3://bucket/run1", keep=Retention(last=3))
     state = accelerator_state(accelerator, progress={"epoch": 0, "batch": 0, "step": 0})
@@ -27,7 +28,10 @@ loop, so the integration is the state dict and a recipe::
         p["epoch"], p["batch"] = epoch + 1, 0
     store.close()
 
-See docs/integrations/accelerate.md for what is saved and the data-position rules.
+Bit-exact resume needs: the seedable sampler and ``set_epoch`` (each epoch's order a function of the epoch),
+a DataLoader ``generator=`` (each DataLoader iterator draws its base seed from the global RNG otherwise, and a
+resumed run creates one iterator more, which shifts the RNG that ``RNGState`` restored), and
+``skip_first_batches`` for the rest of the interrupted epoch. See docs/integrations/accelerate.md.
 """
 from __future__ import annotations
 
