@@ -193,3 +193,60 @@ def test_a_torchtitan_without_a_hook_fails_at_import(monkeypatch):
     fake = types.SimpleNamespace(BaseCheckpointManager=base.BaseCheckpointManager, MODEL="model")
     with pytest.raises(ImportError, match="ModelWrapper, OPTIMIZER"):
         adapter.check_torchtitan(fake)
+
+
+def _manager(dump: Path, seed: int, **cfg):
+    """One process, no process group: a TinyLM with torchtitan's containers and a CkptstoreCheckpointManager."""
+    import torch
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+    from ckptstore.integrations.torchtitan import CkptstoreCheckpointManager
+    sys.path.insert(0, str(WORKER.parent))
+    import titan_worker as w
+
+    torch.manual_seed(seed)
+    model = w.TinyLM()
+    opt = default_adamw(lr=1e-2).build(model_parts=[model])
+    sched = LRSchedulersContainer.Config(warmup_steps=1).build(optimizers=opt, training_steps=10)
+    dl = ParallelAwareDataloader(w.Tokens(), dp_rank=0, dp_world_size=1, batch_size=2)
+    ts = w.TrainState()
+    m = CkptstoreCheckpointManager.Config(enable=True, **cfg).build(
+        dataloader=dl, model_parts=[model], optimizers=opt, lr_schedulers=sched, states={"train_state": ts},
+        sd_adapter=None, base_folder=str(dump))
+    return m, model, ts
+
+
+def test_load_step_seed_checkpoint_and_model_only_last_step(tmp_path):
+    import torch
+    from ckptstore import CheckpointError
+
+    # a seed checkpoint (torchtitan: save(curr_step=0, last_step=True)) loads the model only
+    seed, seed_model, _ = _manager(tmp_path / "seed", 1)
+    assert seed.save(0, last_step=True)
+    seed.close()
+    m, model, ts = _manager(tmp_path / "seed", 2)
+    assert m.load() is True and ts.step == 0
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), seed_model.state_dict().values()))
+    m.close()
+
+    # interval 2 saves 2, 4, then the last step 5 model-only; load_step=N restores exactly N
+    m, model, ts = _manager(tmp_path / "run", 3, interval=2, nonblocking=False)
+    weights = {}
+    for step in range(1, 6):
+        ts.step = step
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.5)
+        weights[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        assert m.save(step, last_step=step == 5) == (step in (2, 4, 5))
+    m.close()
+    m, model, ts = _manager(tmp_path / "run", 4, interval=2, load_step=2)
+    assert m.load(step=m.config.load_step) and ts.step == 2
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights[2].items())
+    with pytest.raises(FileNotFoundError):
+        m.load(step=3)
+    with pytest.raises(CheckpointError, match="model-only last step"):
+        m.load(step=-1)                   # the run finished: resuming its model-only step 5 would rewind it
+    assert m.load(step=5) and ts.step == 2          # an explicit model-only step: the model alone
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights[5].items())
+    m.close()

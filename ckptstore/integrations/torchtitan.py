@@ -265,7 +265,13 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
         return {k: v for k, v in self.states.items() if k not in self.config.exclude_from_loading}
 
     def _is_model_only(self, step: int) -> bool:
-        return step == 0 or self.store.find(MODEL_ONLY) == step
+        """Step 0 (a seed checkpoint) and steps named ``model-only`` hold the model alone."""
+        if step == 0:
+            return True
+        try:
+            return MODEL_ONLY in self.store.commit_info(step).names
+        except (CheckpointError, OSError):       # not in the local root: a step only the remote holds
+            return self.store.find(MODEL_ONLY) == step
 
     @torch.no_grad()
     def _load(self, step: int = -1) -> bool:
