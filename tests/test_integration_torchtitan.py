@@ -111,11 +111,17 @@ def run_args(dump: Path, log: Path, *extra: str):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Uninterrupted run: {step: loss}."""
+    """Uninterrupted run: {step: loss}; its dump folder is ``reference.dump``."""
     d = tmp_path_factory.mktemp("titan_ref")
     res = Ranks(2, *run_args(d, d / "log", "--keep", "0")).results()
     assert [r["start"] for r in res] == [0, 0] and res[0]["saved"] == list(range(1, STEPS + 1))
-    return {s: v[0] for s, v in losses(d / "log").items()}
+    ref = Reference({s: v[0] for s, v in losses(d / "log").items()})
+    ref.dump = d
+    return ref
+
+
+class Reference(dict):
+    dump: Path
 
 
 def test_sigkill_mid_run_resumes_bit_for_bit(tmp_path, reference):
@@ -249,4 +255,22 @@ def test_load_step_seed_checkpoint_and_model_only_last_step(tmp_path):
         m.load(step=-1)                   # the run finished: resuming its model-only step 5 would rewind it
     assert m.load(step=5) and ts.step == 2          # an explicit model-only step: the model alone
     assert all(torch.equal(model.state_dict()[k], v) for k, v in weights[5].items())
+    m.close()
+
+
+def test_rank_local_dataloader_on_another_world_size(reference, tmp_path):
+    """torchtitan's dataloader state is keyed by dp rank: a step of 2 ranks loaded by 1 process raises
+    naming it, unless rank_local="fresh" (model and optimizer resharded from the 2 ranks' shards)."""
+    import torch
+    from ckptstore import IncompatibleCheckpointError
+
+    shutil.copytree(reference.dump / "checkpoint", tmp_path / "checkpoint")
+    m, model, ts = _manager(tmp_path, 5)
+    with pytest.raises(IncompatibleCheckpointError, match="dataloader"):
+        m.load(step=STEPS - 1)
+    m.close()
+    m, model, ts = _manager(tmp_path, 5, rank_local="fresh")
+    assert m.load(step=STEPS - 1) and ts.step == STEPS - 1
+    saved = Store(tmp_path / "checkpoint", read_only=True).load(STEPS - 1, rank=0)["model"]
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())   # full tensors, both shards
     m.close()

@@ -92,6 +92,28 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 RANK_LOCAL = ("error", "fresh")
 
 
+class DataLoaderState:
+    """torchtitan's dataloader as saved: its own ``state_dict()`` (``{"dp_rank_<r>": ..., "world_size": dp}``).
+    With ``rank_local="fresh"``, a state saved under another dp degree (its ``world_size`` differs from this
+    run's) leaves the loader as it is, starting its data over, instead of torchtitan's assertion; ckptstore
+    has then kept this run's values for the per-rank keys and loaded the saved ``world_size``."""
+
+    def __init__(self, dataloader, fresh: bool):
+        self.dataloader, self.fresh = dataloader, fresh
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.dataloader.state_dict()
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        if self.fresh and isinstance(sd, dict) and "world_size" in sd:
+            here = self.dataloader.state_dict().get("world_size")
+            if sd["world_size"] != here:
+                log.warning("dataloader state saved with dp world size %s, this run has %s: the data loader "
+                            "starts over (rank_local='fresh')", sd["world_size"], here)
+                return
+        self.dataloader.load_state_dict(sd)
+
+
 class CkptstoreCheckpointManager(BaseCheckpointManager):
     """torchtitan's checkpoint manager, backed by a :class:`ckptstore.Store`.
 
@@ -200,6 +222,8 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
         for k, v in list(self.states.items()):
             if v is None:                      # e.g. no dataloader: nothing to save or restore for it
                 del self.states[k]
+        if DATALOADER in self.states:
+            self.states[DATALOADER] = DataLoaderState(dataloader, fresh=config.rank_local == "fresh")
         for k in config.exclude_from_loading:
             if k not in self.states:
                 raise ValueError(f"checkpoint.exclude_from_loading names {k!r}, which is not in the state "
