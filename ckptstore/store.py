@@ -1349,13 +1349,18 @@ class Store:
         if step == self._newest_committed() and not force:
             raise CheckpointError(f"step {step} is the newest committed step of {self.root}: it is never deleted "
                                   "(save a newer one first)")
-        with self._maint:
-            self._point_away_from(step)
-            self.catalog.delete_step(step)
+        uploader = self._uploader
+        # An upload of this step in progress reads its local files, and a derivation of the uploader's work (at
+        # its start) may queue it: hold the uploader still while the local copy goes (waits only then).
+        busy = uploader is not None and (step in uploader.pending() or uploader.busy_deriving())
+        with (uploader.paused() if busy else _null()):
+            if remote and uploader is not None and not uploader.parts_only:
+                uploader.delete_after_uploads(step)           # drops a waiting upload of the step
+                self._remote_metrics_cache.pop(step, None)
+            with self._maint:
+                self._point_away_from(step)
+                self.catalog.delete_step(step)
         self._metrics_cache.pop(step, None)
-        if remote and self._uploader is not None and not self._uploader.parts_only:
-            self._uploader.delete_after_uploads(step)
-            self._remote_metrics_cache.pop(step, None)
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def _check_open(self) -> None:
