@@ -3,7 +3,7 @@ or one rank of a job launched like torchrun: RANK, WORLD_SIZE, LOCAL_RANK, MASTE
 
 A LightningModule with dropout, random data, a torchdata ``StatefulDataLoader(shuffle=True)`` (resumable mid-epoch),
 ``torch.optim.AdamW`` with its defaults, ``ModelCheckpoint(every_n_train_steps=2, save_top_k=2, monitor="train_loss",
-save_last=True)``. Every training step appends ``[step, loss]`` to ``--log`` (``.r<rank>`` appended under a job);
+save_last=True)``. Every training step appends ``[step, loss, pid]`` to ``--log`` (``.r<rank>`` appended under a job);
 every save prints ``saving step N`` first (flushed). The last line is ``RESULT {json}``.
 """
 from __future__ import annotations
@@ -66,7 +66,7 @@ class Net(L.LightningModule):
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss)
         with open(self.log_path, "a") as f:
-            f.write(json.dumps([int(self.global_step), loss.item()]) + "\n")
+            f.write(json.dumps([int(self.global_step), loss.item(), os.getpid()]) + "\n")
         if self.sleep:
             time.sleep(self.sleep)
         return loss
@@ -92,11 +92,15 @@ class Snapshot(Callback):
         opt = trainer.optimizers[0]
         m, o = get_state_dict(pl_module, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if trainer.is_global_zero:
-            flat = {f"model.{k}": v.float().sum().item() for k, v in m.items()}
+            import hashlib
+
+            def digest(t):
+                return hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+            flat = {f"model.{k}": digest(v) for k, v in m.items()}
             for k, st in o.get("state", {}).items():
                 for n, v in st.items():
                     if isinstance(v, torch.Tensor):
-                        flat[f"optim.{k}.{n}"] = v.double().sum().item()
+                        flat[f"optim.{k}.{n}"] = digest(v)
             self.at[when] = flat
 
     def on_train_start(self, trainer, pl_module):
