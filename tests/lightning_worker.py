@@ -66,7 +66,7 @@ class Net(L.LightningModule):
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss)
         with open(self.log_path, "a") as f:
-            f.write(json.dumps([int(self.global_step), loss.item(), os.getpid()]) + "\n")
+            f.write(json.dumps([int(self.global_step), loss.item(), os.getpid(), x.sum().item()]) + "\n")
         if self.sleep:
             time.sleep(self.sleep)
         return loss
@@ -136,7 +136,10 @@ def main():
         io = CkptstoreCheckpointIO(a.root, remote=a.remote, storage_options=storage_options)
         callbacks.append(io.callback)
         strategy = "ddp" if a.strategy == "ddp" else "auto"
-        trainer = L.Trainer(strategy=strategy, devices=world, plugins=[io], callbacks=callbacks, **kw)
+        # With Lightning's DistributedSampler inside torchdata's StatefulDataLoader the batches after a mid-epoch
+        # resume differed from the uninterrupted run's (seen here, not investigated): each rank shuffles itself
+        trainer = L.Trainer(strategy=strategy, devices=world, plugins=[io], callbacks=callbacks,
+                            use_distributed_sampler=world == 1, **kw)
     ckpt_path = {"none": None, "io": io.resume_path(), "last": "last"}[a.resume]
     print(f"resuming from {ckpt_path}", flush=True)
     trainer.fit(model, loader, ckpt_path=ckpt_path)
