@@ -8,6 +8,8 @@ or when asked.
 """
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import time
 from concurrent.futures import wait as futures_wait
@@ -132,13 +134,18 @@ class Maintenance:
         if step == p.newest_committed() and not force:
             raise CheckpointError(f"step {step} is the newest committed step of {p.root}: it is never deleted "
                                   "(save a newer one first)")
-        with p.maint:
-            self._point_away_from(step)
-            p.catalog.delete_step(step)
+        uploader = p.uploader
+        # An upload of this step in progress reads its local files, and a derivation of the uploader's work (at
+        # its start) may queue it: hold the uploader still while the local copy goes (waits only then).
+        busy = uploader is not None and (step in uploader.pending() or uploader.busy_deriving())
+        with (uploader.paused() if busy else contextlib.nullcontext()):
+            if remote and p.writes_remote:
+                uploader.delete_after_uploads(step)           # drops a waiting upload of the step
+                p.remote_metrics_cache.pop(step, None)
+            with p.maint:
+                self._point_away_from(step)
+                p.catalog.delete_step(step)
         p.metrics_cache.pop(step, None)
-        if remote and p.writes_remote:
-            p.uploader.delete_after_uploads(step)
-            p.remote_metrics_cache.pop(step, None)
 
     def pull(self, step: Optional[int]) -> int:
         p = self.p

@@ -143,6 +143,11 @@ class Uploader:
                 self._deletes.append(step)
             self._cond.notify_all()
 
+    def busy_deriving(self) -> bool:
+        """Whether the work to do is still being (or yet to be) derived from the two stores."""
+        with self._cond:
+            return self._deriving or not self._derived
+
     def pending(self) -> List[int]:
         """Steps waiting or being uploaded."""
         with self._cond:
