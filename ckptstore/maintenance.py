@@ -9,7 +9,6 @@ or when asked.
 from __future__ import annotations
 
 import contextlib
-
 import logging
 import time
 from concurrent.futures import wait as futures_wait
