@@ -117,60 +117,44 @@ def test_resume_true_on_a_first_launch_starts_fresh(reference):
         assert s.find(f"checkpoint-{STEPS}") == STEPS
 
 
-def test_killed_mid_training_and_mid_save_resumes_bit_for_bit(tmp_path, reference):
-    """SIGKILL after step 5 (steps 2, 4 committed), then, in the restart, inside the save of step 8 (chunks and
-    manifest written, no commit marker): the third launch resumes from step 6 and every loss and eval loss
-    logged after each resume equals the uninterrupted run; the best model loaded at the end is the same."""
-    from ckptstore import Store
-    store = tmp_path / "store"
-    cmd = ["--out", str(tmp_path / "out"), "--store", str(store), "--log", str(tmp_path / "log"), "--eval"]
-    run_worker(*cmd, "--kill-at", "5", expect_kill=True)
-    run_worker(*cmd, "--kill-in-save", "8", expect_kill=True)
-    with Store(store, read_only=True) as s:
-        assert s.steps() == [2, 4, 6]              # step 8 was killed before its commit: invisible
-    res = run_worker(*cmd)
-    runs = read_runs(tmp_path / "log")
-    assert [r for r, _ in runs] == [None, 4, 6] and res["resumed_step"] == 6
-    assert_matches(runs, reference["ref"])
-    best = best_of(reference["ref"], SAVED)
-    assert res["best_model_checkpoint"] == f"{store}/steps/{best}"
-    assert res["model"] == reference["result"]["model"]     # load_best_model_at_end: the same weights
-    with Store(store, read_only=True) as s:
-        assert s.steps() == SAVED
-
-
 @pytest.mark.remote
-def test_local_root_wiped_resumes_from_s3_with_retention(tmp_path, reference, s3_bucket_url):
-    """save_total_limit=2 with metric_for_best_model: killed after step 7 (its uploads done), the local root
-    wiped, the same command resumes from step 6 on the loopback S3 server, bit for bit; afterwards both tiers
-    hold the last two steps plus the best one, and the best model loaded at the end is the reference's."""
+def test_killed_mid_training_wiped_and_killed_mid_save_resumes_bit_for_bit(tmp_path, reference, s3_bucket_url):
+    """One run with ``save_total_limit=2``, ``metric_for_best_model`` and a loopback S3 remote, restarted with
+    the same command after each crash:
+
+    1. SIGKILL after step 5 (its uploads done), then the local root is wiped: the restart resumes from step 4
+       on the remote;
+    2. that launch is SIGKILLed inside the save of step 8 (chunks and manifest written, no commit marker): the
+       next launch resumes from step 6 and finishes.
+
+    Every loss and eval loss each launch logs equals the uninterrupted run's bit for bit; the best model loaded
+    at the end is the reference's; both tiers keep the last two steps plus the best one."""
     from ckptstore import Store
     url, opts = s3_bucket_url
     store = tmp_path / "store"
+    ref = reference["ref"]
     cmd = ["--out", str(tmp_path / "out"), "--store", str(store), "--log", str(tmp_path / "log"), "--eval",
            "--limit", "2", "--remote", url, "--storage-options", json.dumps(opts)]
-    run_worker(*cmd, "--kill-at", "7", "--uploads-before-kill", expect_kill=True)
-    ref = reference["ref"]
-    best6 = best_of(ref, [2, 4, 6])
+    run_worker(*cmd, "--kill-at", "5", "--uploads-before-kill", expect_kill=True)
     with Store(url, storage_options=opts, read_only=True) as remote:
-        assert remote.steps() == sorted({4, 6, best6})
-    with Store(store, read_only=True) as local:
-        # locally a step is deleted once uploaded: step 2 stays if its upload was pending at step 6's commit
-        assert {4, 6, best6} <= set(local.steps()) <= {2, 4, 6}
+        assert remote.steps() == [2, 4]
     shutil.rmtree(store)
+    run_worker(*cmd, "--kill-in-save", "8", expect_kill=True)
+    with Store(store, read_only=True) as local:
+        assert local.steps() == [4, 6]          # 4 pulled from S3, 6 saved; 8 killed before its commit
     res = run_worker(*cmd)
     runs = read_runs(tmp_path / "log")
-    assert [r for r, _ in runs] == [None, 6] and res["resumed_step"] == 6
+    assert [r for r, _ in runs] == [None, 4, 6] and res["resumed_step"] == 6
     assert_matches(runs, ref)
     best = best_of(ref, SAVED)
-    assert res["model"] == reference["result"]["model"]
     assert res["best_model_checkpoint"] == f"{store}/steps/{best}"
+    assert res["model"] == reference["result"]["model"]     # load_best_model_at_end: the same weights
     with Store(url, storage_options=opts, read_only=True) as remote:
         assert remote.steps() == sorted({10, 12, best})
     with Store(store, read_only=True) as local:
-        # the wiped root got step 6 back (pulled), then 8, 10, 12 and, for the final load, the best step;
-        # step 8 stays if its upload was pending at step 12's commit
-        kept = {10, 12, best_of(ref, [6, 8, 10, 12]), best}
+        # retention here judged the steps this root held (from 4 on) and the final load pulled the best one;
+        # a step is deleted locally once uploaded: 8 stays if its upload was pending at step 12's commit
+        kept = {10, 12, best_of(ref, [4, 6, 8, 10, 12]), best}
         assert kept <= set(local.steps()) <= kept | {8}
 
 

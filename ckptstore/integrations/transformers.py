@@ -61,8 +61,6 @@ SUPPORTED = ">=5,<6"
 OVERRIDDEN = ("train", "_save_checkpoint", "_load_from_checkpoint", "_load_optimizer_and_scheduler",
               "_load_scaler", "_load_rng_state", "_load_best_model", "_init_training_state", "store_flos")
 
-#: the trainer state key names in a step (see the module docstring)
-STATE_KEYS = ("model", "optimizer", "scheduler", "scaler", "rng", "trainer_state", "ckptstore_hf")
 _RESUME_DIR = ".ckptstore-resume"
 _STEP_URL = re.compile(r"^(?P<store>.+?)/+steps/+(?P<step>[0-9]{1,12})/*$")
 #: Store keyword arguments the trainer's constructor passes through (besides store=, remote=, storage_options=)
