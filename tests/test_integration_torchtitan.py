@@ -141,13 +141,14 @@ def test_sigkill_mid_run_resumes_bit_for_bit(tmp_path, reference):
 
 
 def _remote_steps(url, so):
-    return Store(url, storage_options=so, read_only=True).steps()
+    with Store(url, storage_options=so, read_only=True) as s:
+        return s.steps()
 
 
 @pytest.mark.remote
 def test_local_folder_wiped_resumes_from_s3(tmp_path, reference, s3_bucket_url):
     url, so = s3_bucket_url
-    args = run_args(tmp_path, tmp_path / "log", "--keep", "0", "--step-sleep", "0.3", "--remote", url,
+    args = run_args(tmp_path, tmp_path / "log", "--keep", "0", "--step-sleep", "0.5", "--remote", url,
                     "--so", json.dumps(so))
     Ranks(2, *args).kill_after(tmp_path / "log", 5, until=lambda: bool(_remote_steps(url, so)))
     remote = _remote_steps(url, so)
@@ -167,8 +168,11 @@ def test_keep_latest_k_locally_and_remotely_across_a_restart(tmp_path, s3_bucket
     Ranks(2, *args).kill_after(tmp_path / "log", 6)
     res = Ranks(2, *args).results()
     assert res[0]["start"] in (4, 6) and res[0]["saved"][-2:] == [8, 10]
-    assert Store(tmp_path / "checkpoint", read_only=True).steps() == [8, 10]
-    assert _remote_steps(url, so) == [8, 10]
+    assert _remote_steps(url, so) == [8, 10]          # remote retention runs after each upload, in order
+    # locally retention runs after each commit and never deletes a step still waiting for its upload: a step
+    # the killed run left un-uploaded (2, 4, 6) may outlive the last commit (until a later save)
+    local = Store(tmp_path / "checkpoint", read_only=True).steps()
+    assert local[-2:] == [8, 10] and set(local[:-2]) <= {2, 4, 6}, local
 
 
 def test_config():
