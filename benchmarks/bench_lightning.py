@@ -7,6 +7,8 @@ checkpoint per optimizer step for 10 steps (``ModelCheckpoint(every_n_train_step
     median and max over the 10 saves; for ``blocking=False`` also the background commit time;
   - bytes written over the 10 saves (TorchCheckpointIO: the file sizes; ckptstore: ``SaveResult.bytes_written``);
   - the wall time of ``fit``.
+``--save-last``: ``save_last=True`` too, so each step is saved twice (Lightning's top-k path, then ``last.ckpt``):
+two ``torch.save`` files per step for Lightning, one commit with two names (a re-save) for ckptstore.
 
 Run by hand:  PYTHONPATH=. python benchmarks/bench_lightning.py [--dir /dev/shm/bench-lightning] [--layers 10]
 (the default directory is a tmpfs: the machine this was written on had 2.5 GB of free disk; pass --dir for a disk)
@@ -87,12 +89,13 @@ class TimedCkptstoreIO(CkptstoreCheckpointIO):
         super().teardown()
 
 
-def run(io, d: str, layers: int, steps: int) -> float:
+def run(io, d: str, layers: int, steps: int, save_last: bool = False) -> float:
     torch.manual_seed(0)
     data = DataLoader(TensorDataset(torch.randn(steps * 8, WIDTH)), batch_size=8)
     trainer = L.Trainer(max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         accelerator="cpu", plugins=[io],
-                        callbacks=[ModelCheckpoint(dirpath=os.path.join(d, "names"), every_n_train_steps=1)])
+                        callbacks=[ModelCheckpoint(dirpath=os.path.join(d, "names"), every_n_train_steps=1,
+                                                   save_last=save_last or None)])
     t = time.perf_counter()
     trainer.fit(Big(layers), data)
     return time.perf_counter() - t
@@ -103,9 +106,11 @@ def main():
     p.add_argument("--dir", default="/dev/shm/bench-lightning")
     p.add_argument("--layers", type=int, default=10)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--save-last", action="store_true",
+                   help="ModelCheckpoint(save_last=True): each step is saved twice (its path, then last.ckpt)")
     a = p.parse_args()
     state_mb = a.layers * (WIDTH * WIDTH + WIDTH) * 12 / 1e6
-    print(f"model + AdamW state: {state_mb:.0f} MB, {a.steps} saves")
+    print(f"model + AdamW state: {state_mb:.0f} MB, {a.steps} steps" + (", save_last=True" if a.save_last else ""))
     rows = []
     for name, make in [("TorchCheckpointIO (Lightning default)", lambda d: TimedTorchIO()),
                        ("CkptstoreCheckpointIO blocking=True", lambda d: TimedCkptstoreIO(os.path.join(d, "store"))),
@@ -114,7 +119,7 @@ def main():
         d = os.path.join(a.dir, name.split()[0] + name.split()[-1])
         shutil.rmtree(d, ignore_errors=True)
         io = make(d)
-        wall = run(io, d, a.layers, a.steps)
+        wall = run(io, d, a.layers, a.steps, a.save_last)
         if isinstance(io, TimedTorchIO):
             written, commit = io.bytes, None
         else:
