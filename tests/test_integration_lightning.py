@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import pytest
 import torch
@@ -168,9 +168,9 @@ def test_kill_mid_save_and_mid_training_resumes_bit_for_bit(tmp_path, reference)
     first.kill()
     assert not any("RESULT" in ln for ln in first.lines[0])
 
-    second = Run(tmp_path, "--resume", "io", "--steps", str(STEPS), "--sleep", "0.15")
+    second = Run(tmp_path, "--resume", "io", "--steps", str(STEPS), "--sleep", "0.8")
     assert second.wait_saving(8), second.output()
-    time.sleep(0.4)                                   # the save is done; training goes on
+    time.sleep(0.5)                                   # the save is done (or, on a loaded machine, still going)
     second.kill()
     assert any(ln.startswith("resuming from /") for ln in second.lines[0]), second.output()
 
@@ -314,4 +314,50 @@ def test_a_lightning_checkpoint_without_stub_is_loaded_for_migration(tmp_path):
         io.load_checkpoint(tmp_path / "other.ckpt")
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         io.load_checkpoint(tmp_path / "missing.ckpt")
+    io.teardown()
+
+
+def test_non_blocking_saves_write_their_stubs_once_committed(tmp_path):
+    """``blocking=False`` in an in-process fit: the stubs appear once the background commits are done (at the next
+    save / teardown), ModelCheckpoint's rotation deletes what no stub names, and a stub loads its step."""
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ckptstore import Store
+    from ckptstore.integrations.lightning import CkptstoreCheckpointIO, read_stub
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, idx):
+            loss = torch.nn.functional.mse_loss(self.lin(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters())
+
+    torch.manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randn(32, 1)), batch_size=4)
+    io = CkptstoreCheckpointIO(tmp_path / "store", blocking=False)
+    ck = ModelCheckpoint(dirpath=tmp_path / "names", every_n_train_steps=2, save_top_k=2, monitor="train_loss",
+                         save_last=True)
+    model = Tiny()
+    L.Trainer(max_steps=8, logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+              plugins=[io], callbacks=[ck, io.callback]).fit(model, data)
+    stubs = {p.name: read_stub(p)["step"] for p in (tmp_path / "names").iterdir()}
+    assert set(stubs) == {Path(p).name for p in ck.best_k_models} | {"last.ckpt"} and stubs["last.ckpt"] == 8
+    with Store(tmp_path / "store", read_only=True) as s:
+        assert s.steps() == sorted(set(stubs.values()))
+    from ckptstore import RNGState
+    ours = RNGState().state_dict()
+    try:
+        got = io.load_checkpoint(tmp_path / "names" / "last.ckpt")      # restores the saved RNG state
+    finally:
+        RNGState().load_state_dict(ours)                                 # this test session's
+    assert got["global_step"] == 8
+    assert torch.equal(got["state_dict"]["lin.weight"], model.lin.weight.detach())
     io.teardown()

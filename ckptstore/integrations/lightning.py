@@ -399,7 +399,8 @@ class CkptstoreCheckpointIO(CheckpointIO):
             self._pending.append((handle, name, step))
 
     def _step_of(self, path) -> Optional[int]:
-        """The step a Lightning path names: its stub, else the newest committed step carrying it as a name."""
+        """The step the stub at ``path`` names, or ``None`` when there is no stub; ``ValueError`` for a stub of another
+        store."""
         stub = read_stub(path)
         if stub is not None:
             if _norm_root(stub["root"]) != self._root_id:
