@@ -291,7 +291,7 @@ class CkptstoreCheckpointIO(CheckpointIO):
             commit runs in the background and the stub is written once it is done (at the next save, load, remove,
             ``teardown`` or ``resume_path``). Lightning saves one step twice when ``save_last`` is set (top-k path,
             then ``last.ckpt``); the second save waits for the first, so ``False`` gains little there.
-        **store_kw: any other ``ckptstore.Store`` argument (``keep_local``, ``on_rewind``, ``codec``, ...).
+        **store_kw: any other ``ckptstore.Store`` argument (``writing=Writing(...)``, ``on_rewind``, ``config``, ...; a ``Remote(url, keep_local=...)`` may be given as ``remote``).
 
     Every step is one commit named by every path Lightning saved it under (``Store.save(names=)``); step =
     ``checkpoint["global_step"]``; metrics = ``{monitor: current_score}`` of each ``ModelCheckpoint``. The saved state
@@ -334,8 +334,7 @@ class CkptstoreCheckpointIO(CheckpointIO):
         return self._store
 
     def _reader(self) -> Store:
-        kw = {k: v for k, v in self.store_kw.items() if k in ("collective_timeout", "direct_io", "workers",
-                                                                "upload_retry", "load_path")}
+        kw = {k: v for k, v in self.store_kw.items() if k in ("collective_timeout", "writing", "load_path")}
         return Store(self.root, rank=0, world_size=1, remote=self.remote, storage_options=self.storage_options,
                      read_only=True, **kw)
 
@@ -571,7 +570,7 @@ class CkptstoreModelParallelStrategy(ModelParallelStrategy):
     Args:
         root: the store root; the same path on every rank (a shared disk), or node-local disks.
         remote, storage_options, keep, blocking: as for :class:`CkptstoreCheckpointIO`.
-        store_options: other ``ckptstore.Store`` arguments (``collective_timeout``, ``keep_local``, ...).
+        store_options: other ``ckptstore.Store`` arguments (``collective_timeout``, ``writing``, ...).
         **strategy_kw: ``ModelParallelStrategy``'s (``data_parallel_size``, ``tensor_parallel_size``, ``timeout``,
             ``process_group_backend``, ``save_distributed_checkpoint`` which is ignored: shards are always saved).
 

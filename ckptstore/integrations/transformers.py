@@ -114,7 +114,7 @@ class CkptstoreTrainerMixin:
         remote, storage_options: the Store's remote URL and fsspec options (only with a root, not a Store).
         ckptstore_blocking: ``False`` makes each save non-blocking (training waits only for the copy of the
             state into staging memory; ``train()`` waits for the last save before it returns).
-        Store keyword arguments (``keep=``, ``keep_local=``, ``config=``, ``load_path=`` ...): passed to
+        Store keyword arguments (``keep=``, ``writing=``, ``config=``, ``load_path=`` ...): passed to
             ``Store``; ``keep`` defaults to the retention ``TrainingArguments`` ask for.
 
     Attributes: ``store``, the :class:`ckptstore.Store` (close it when done: ``trainer.store.close()``);
