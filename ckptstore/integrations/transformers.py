@@ -125,7 +125,7 @@ class CkptstoreTrainerMixin:
     ready ``Store``.
     """
 
-    def __init__(self, *args, store: Any = None, remote: Optional[str] = None,
+    def __init__(self, *args, store: Any = None, remote: Any = None,
                  storage_options: Optional[Mapping[str, Any]] = None, ckptstore_blocking: bool = True,
                  **kwargs):
         store_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _STORE_ARGS}
@@ -148,11 +148,11 @@ class CkptstoreTrainerMixin:
             self._ckpt_remote_url = getattr(getattr(store, "remote_storage", None), "url", None)
             return
         root = os.fspath(store) if store is not None else os.path.join(self.args.output_dir, "ckptstore")
-        if "keep" not in store_kwargs and "keep_last" not in store_kwargs and "keep_every" not in store_kwargs:
+        if "keep" not in store_kwargs:
             store_kwargs["keep"] = self._ckpt_retention()
         #: the ckptstore.Store every checkpoint goes to
         self.store = Store(root, remote=remote, storage_options=storage_options, **store_kwargs)
-        self._ckpt_remote_url = str(remote).rstrip("/") if remote is not None else None
+        self._ckpt_remote_url = getattr(self.store.remote_storage, "url", None)
 
     # -- mapping TrainingArguments ------------------------------------------------------------------------
     def _ckpt_metric(self) -> Optional[str]:
