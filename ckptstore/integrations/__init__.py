@@ -4,7 +4,7 @@
 - ``ckptstore.integrations.transformers``: ``CkptstoreTrainer``, ``CkptstoreTrainerMixin`` (HF ``Trainer``)
 - ``ckptstore.integrations.lightning``: ``CkptstoreCheckpointIO``, ``CkptstoreModelParallelStrategy``
 - ``ckptstore.integrations.torchtitan``: ``CkptstoreCheckpointManager``
-- ``ckptstore.integrations.accelerate``: ``accelerator_state``
+- ``ckptstore.integrations.accelerate``: ``accelerator_state``, ``replicated_keys``
 
 Install a trainer with its extra, e.g. ``pip install "ckptstore[lightning]"``. Each module checks, at import, that
 the trainer's version has the methods it overrides, and raises ``ImportError`` naming them when it does not.
