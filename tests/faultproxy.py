@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import threading
 from collections import Counter
 from typing import Optional
@@ -59,21 +60,30 @@ class FaultProxy:
         self._loop.run_forever()
 
     async def _pipe_down(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, seen) -> None:
-        """Server -> client; while ``corrupt_bodies`` > 0, one byte of the body of a 200 or 206 answer carrying at least
-        64 bytes to a GET whose request line contains ``corrupt_match`` is flipped (a body damaged in transfer,
-        its length intact), and the count goes down."""
+        """Server -> client; while ``corrupt_bodies`` > 0, byte 32 of the body of a 200 or 206 answer to a GET whose
+        request line contains ``corrupt_match`` is flipped (a body damaged in transfer, its length intact), and the
+        count goes down. The byte is found across reads: a loaded server may send the head and the body apart."""
+        skip = None                 # body bytes still to pass before the one to flip (None: nothing armed)
         while True:
             data = await r.read(65536)
             if not data:
                 break
-            if (self.corrupt_bodies > 0 and data[:12] in (b"HTTP/1.1 200", b"HTTP/1.1 206") and seen
-                    and seen[-1].startswith(b"GET ") and self.corrupt_match in seen[-1]):
+            start = 0
+            if (skip is None and self.corrupt_bodies > 0 and data[:12] in (b"HTTP/1.1 200", b"HTTP/1.1 206")
+                    and seen and seen[-1].startswith(b"GET ") and self.corrupt_match in seen[-1]):
                 head_end = data.find(b"\r\n\r\n")
-                if head_end >= 0 and len(data) - (head_end + 4) >= 64:
-                    i = head_end + 4 + 32
+                length = re.search(rb"(?i)\r\ncontent-length:\s*(\d+)", data[:max(head_end, 0)])
+                if head_end >= 0 and length and int(length.group(1)) >= 64:
+                    skip, start = 32, head_end + 4
+            if skip is not None:
+                if len(data) - start > skip:
+                    i = start + skip
                     data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:]
+                    skip = None
                     self.corrupt_bodies -= 1
                     self.counts["corrupt"] += 1
+                else:
+                    skip -= len(data) - start
             w.write(data)
             await w.drain()
 
