@@ -58,7 +58,8 @@ def kill_after(procs, log: Path, lines: int, until=lambda: True, timeout=120) ->
     deadline = time.monotonic() + timeout
     try:
         while not (log.exists() and len(log.read_text().splitlines()) >= lines and until()):
-            assert all(p.poll() is None for p in procs), "a rank ended before the kill"
+            assert all(p.poll() is None for p in procs), "a rank ended before the kill:\n" + "\n".join(
+                p.stdout.read()[-8000:] for p in procs if p.poll() is not None)
             assert time.monotonic() < deadline, "the run did not get far enough to be killed"
             time.sleep(0.05)
         assert all(p.poll() is None for p in procs), "the run finished before the kill"
@@ -103,17 +104,19 @@ def test_sigkill_mid_run_resumes_bit_for_bit(tmp_path, world, request):
     run = tmp_path / "run"
     log = tmp_path / "run.log"
     cmd = ("--step-sleep", "0.15", *keep)
-    if world == 1:          # one process: the store has a loopback S3 remote too
+    uploaded = lambda: True  # noqa: E731
+    if world == 1:          # one process: the store has a loopback S3 remote too (and a wider kill window)
         url, so = request.getfixturevalue("s3_bucket_url")
-        cmd += ("--remote", url, "--so", json.dumps(so))
-    kill_after(start(world, run / "store", log, *cmd), log, 13)   # mid-epoch, after an epoch boundary
+        cmd = ("--step-sleep", "0.3", *keep, "--remote", url, "--so", json.dumps(so))
+        uploaded = lambda: bool(_remote_steps(url, so))  # noqa: E731
+    kill_after(start(world, run / "store", log, *cmd), log, 13, until=uploaded)   # mid-epoch, after an epoch boundary
     committed = Store(run / "store", read_only=True).steps()
     assert committed and 10 < max(committed) < STEPS
     if world == 1:
         # the same command, killed again once S3 holds a step; the local root wiped: the same command resumes
         # from the newest step on S3
         logged = len(log.read_text().splitlines())
-        kill_after(start(world, run / "store", log, *cmd), log, logged + 4, until=lambda: bool(_remote_steps(url, so)))
+        kill_after(start(world, run / "store", log, *cmd), log, logged + 4)
         assert json.loads(log.read_text().splitlines()[logged])["step"] == max(committed) + 1   # resumed locally
         committed = _remote_steps(url, so)
         shutil.rmtree(run / "store")
