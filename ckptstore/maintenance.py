@@ -52,7 +52,14 @@ class Maintenance:
         raised (an exception from ``save`` means the step is not committed). Returns whether a sweep ran."""
         p = self.p
         try:
-            protected = set(p.uploader.pending()) if p.uploader is not None else set()
+            protected = set()
+            if p.uploader is not None:
+                # a restarted job's uploader derives its backlog (local steps newer than the remote's newest)
+                # in the background: until it has, every local step may be one it is about to upload. Read
+                # busy_deriving() before pending(): derived afterwards, the backlog is in pending()
+                if p.uploader.busy_deriving():
+                    protected.update(p.catalog.committed_steps())
+                protected.update(p.uploader.pending())
             protected.add(step)
             doomed = _retention.apply(p.catalog, p.keep, protected, cache=p.metrics_cache,
                                       before_delete=self._point_away_from)

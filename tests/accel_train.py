@@ -28,6 +28,8 @@ def main():
     ap.add_argument("--log")
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--keep", type=int, default=3, help="Retention(last=...); 0 keeps every step")
+    ap.add_argument("--remote", help="remote URL of the store (e.g. s3://bucket)")
+    ap.add_argument("--so", default="{}", help="the remote's storage options, JSON")
     args = ap.parse_args()
 
     set_seed(0)
@@ -44,7 +46,8 @@ def main():
     train_dl = DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator())
     model, optimizer, scheduler, train_dl = accelerator.prepare(model, optimizer, scheduler, train_dl)
 
-    store = Store(args.store, keep=Retention(last=args.keep) if args.keep else None)
+    store = Store(args.store, keep=Retention(last=args.keep) if args.keep else None, remote=args.remote,
+                  storage_options=json.loads(args.so) if args.remote else None)
     state = accelerator_state(accelerator, progress={"epoch": 0, "batch": 0, "step": 0})
     start = store.resume(state)
     p = state["progress"]

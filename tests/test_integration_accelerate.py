@@ -1,11 +1,13 @@
 """ckptstore.integrations.accelerate: an accelerate loop (dropout, torch's default AdamW, a scheduler, a shuffled
 DataLoader crossing epochs, non-blocking saves every step; tests/accel_train.py) SIGKILLed mid-run and started
 again with the same command continues bit for bit: one process, and 2 DDP ranks (gloo on 127.0.0.1, launched
-like torchrun)."""
+like torchrun). The one-process run also has a loopback S3 remote: killed a second time, its local root wiped,
+the same command resumes from S3, bit for bit."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,11 +54,12 @@ def results(procs, timeout=180):
     return out
 
 
-def kill_after(procs, log: Path, lines: int, timeout=120) -> None:
+def kill_after(procs, log: Path, lines: int, until=lambda: True, timeout=120) -> None:
     deadline = time.monotonic() + timeout
     try:
-        while not (log.exists() and len(log.read_text().splitlines()) >= lines):
-            assert all(p.poll() is None for p in procs), "a rank ended before the kill"
+        while not (log.exists() and len(log.read_text().splitlines()) >= lines and until()):
+            assert all(p.poll() is None for p in procs), "a rank ended before the kill:\n" + "\n".join(
+                p.stdout.read()[-8000:] for p in procs if p.poll() is not None)
             assert time.monotonic() < deadline, "the run did not get far enough to be killed"
             time.sleep(0.05)
         assert all(p.poll() is None for p in procs), "the run finished before the kill"
@@ -77,8 +80,14 @@ def losses(log: Path):
     return out
 
 
-@pytest.mark.parametrize("world", [1, pytest.param(2, id="ddp2", marks=pytest.mark.slow)])
-def test_sigkill_mid_run_resumes_bit_for_bit(tmp_path, world):
+def _remote_steps(url, so):
+    with Store(url, storage_options=so, read_only=True) as s:
+        return s.steps()
+
+
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.remote),
+                                   pytest.param(2, id="ddp2", marks=pytest.mark.slow)])
+def test_sigkill_mid_run_resumes_bit_for_bit(tmp_path, world, request):
     # keep=3 on one process; every step under DDP: with non-blocking saves on several ranks, rank 0's
     # retention sweep waits (5 s) for the other ranks' next save, which stalls the loop (a core issue)
     keep = ("--keep", "3" if world == 1 else "0")
@@ -94,17 +103,35 @@ def test_sigkill_mid_run_resumes_bit_for_bit(tmp_path, world):
 
     run = tmp_path / "run"
     log = tmp_path / "run.log"
-    kill_after(start(world, run / "store", log, "--step-sleep", "0.15", *keep), log, 13)   # mid-epoch, after an epoch boundary
+    cmd = ("--step-sleep", "0.15", *keep)
+    uploaded = lambda: True  # noqa: E731
+    if world == 1:          # one process: the store has a loopback S3 remote too (and a wider kill window)
+        url, so = request.getfixturevalue("s3_bucket_url")
+        cmd = ("--step-sleep", "0.3", *keep, "--remote", url, "--so", json.dumps(so))
+        uploaded = lambda: bool(_remote_steps(url, so))  # noqa: E731
+    kill_after(start(world, run / "store", log, *cmd), log, 13, until=uploaded)   # mid-epoch, after an epoch boundary
     committed = Store(run / "store", read_only=True).steps()
     assert committed and 10 < max(committed) < STEPS
-    res = results(start(world, run / "store", log, *keep))        # the same command
+    if world == 1:
+        # the same command, killed again once S3 holds a step; the local root wiped: the same command resumes
+        # from the newest step on S3
+        logged = len(log.read_text().splitlines())
+        kill_after(start(world, run / "store", log, *cmd), log, logged + 4)
+        assert json.loads(log.read_text().splitlines()[logged])["step"] == max(committed) + 1   # resumed locally
+        committed = _remote_steps(url, so)
+        shutil.rmtree(run / "store")
+    res = results(start(world, run / "store", log, *cmd))        # the same command
     assert all(r["start"] == max(committed) for r in res), (res, committed)
     got = losses(log)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step, values in got.items():
         assert all(v == reference[step] for v in values), (step, values, reference[step])
-    assert Store(run / "store", read_only=True).steps() == ([STEPS - 2, STEPS - 1, STEPS] if world == 1 else
-                                                            list(range(1, STEPS + 1)))
+    if world == 1:          # close() waited for the uploads; retention ran on both tiers
+        assert _remote_steps(url, so) == [STEPS - 2, STEPS - 1, STEPS]
+        # locally a step still waiting for its upload is never deleted: it may outlive a later commit
+        assert Store(run / "store", read_only=True).steps()[-3:] == [STEPS - 2, STEPS - 1, STEPS]
+    else:
+        assert Store(run / "store", read_only=True).steps() == list(range(1, STEPS + 1))
 
 
 def test_accelerator_state_entries():

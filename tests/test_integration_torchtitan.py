@@ -2,7 +2,9 @@
 checkpointer, on 2 ranks (gloo on 127.0.0.1, launched like torchrun) with FSDP2 model parts, torchtitan's fused
 AdamW container, its LR-scheduler container and its per-dp-rank StatefulDataLoader (tests/titan_worker.py).
 
-- SIGKILL mid-run, the same command again: resumes and the losses equal an uninterrupted run's bit for bit;
+- SIGKILL mid-run, the same command again; then SIGKILL inside a save (before its commit marker), the same
+  command again: each launch resumes from the last committed step (the killed save's step is invisible) and
+  the losses equal an uninterrupted run's bit for bit;
 - the same with the local folder wiped: resumes from the loopback S3 server;
 - keep_latest_k: the newest k steps, locally and on the remote, across a restart;
 - a torchtitan whose BaseCheckpointManager lacks a hook fails at import, naming it.
@@ -89,6 +91,15 @@ class Ranks:
             time.sleep(0.1)
         assert self.kill(), "the run finished before the kill"
 
+    def killed_by_rank0(self, timeout: float = 180) -> None:
+        """Wait for rank 0 to die of SIGKILL (its own, inside a save), then SIGKILL the other ranks."""
+        try:
+            text, _ = self.procs[0].communicate(timeout=timeout)
+            assert self.procs[0].returncode == -signal.SIGKILL, \
+                f"rank 0 exited {self.procs[0].returncode}, not killed:\n{text[-4000:]}"
+        finally:
+            self.kill()
+
 
 def losses(log: Path):
     out = {}
@@ -129,8 +140,15 @@ def test_sigkill_mid_run_resumes_bit_for_bit(tmp_path, reference):
     Ranks(2, *args).kill_after(tmp_path / "log", 5)
     committed = Store(tmp_path / "checkpoint", read_only=True).steps()
     assert committed and max(committed) < STEPS
+    # the same command, its rank 0 SIGKILLed inside the save of the second step it saves, before the commit
+    # marker (non-blocking: in the store's background commit), and all ranks with it
+    in_save = max(committed) + 2
+    Ranks(2, *args, "--kill-in-save", str(in_save)).killed_by_rank0()
+    committed = Store(tmp_path / "checkpoint", read_only=True).steps()
+    assert max(committed) == in_save - 1, committed          # the killed save's step is invisible
+    assert (tmp_path / "checkpoint" / "steps" / f"{in_save:012d}").is_dir()     # though its save had begun
     res = Ranks(2, *args).results()                   # the same command
-    assert all(r["loaded"] and r["start"] == max(committed) for r in res), (res, committed)
+    assert all(r["loaded"] and r["start"] == in_save - 1 for r in res), (res, committed)
     assert res[0]["ntokens_seen"] == STEPS * 4 * 16   # the train state came back too
     assert_same_losses(tmp_path / "log", reference)
     # last_save_model_only (torchtitan's default): the last step holds the model alone, named model-only

@@ -16,6 +16,7 @@ stdout is ``RESULT {json}``.
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -77,6 +78,22 @@ class TrainState:
         self.step, self.ntokens_seen = int(sd["step"]), int(sd["ntokens_seen"])
 
 
+def arm_kill_in_save(store, step: int) -> None:
+    """Test-only fault injection: SIGKILL this process when the commit marker of ``step`` is about to be
+    written (it goes through the store's storage ``write_atomic``; rank 0 writes it): the step's chunks and
+    manifests are on disk, its commit marker is not."""
+    storage = store.storage
+    real = storage.write_atomic
+    marker = f"{step:012d}/COMMIT"
+
+    def write_atomic(path, data):
+        if str(path).endswith(marker):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(path, data)
+
+    storage.write_atomic = write_atomic
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dump", required=True, help="the trainer's dump_folder (base_folder)")
@@ -90,6 +107,8 @@ def main():
     ap.add_argument("--last-model-only", type=int, default=1)
     ap.add_argument("--load-step", type=int, default=-1)
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds of sleep per step (kill window)")
+    ap.add_argument("--kill-in-save", type=int, default=None,
+                    help="rank 0 SIGKILLs itself inside the save of this step, before its commit marker")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -115,6 +134,8 @@ def main():
                              lr_schedulers=lr_schedulers, states={"train_state": train_state}, sd_adapter=None,
                              base_folder=args.dump)
     assert type(checkpointer) is CkptstoreCheckpointManager
+    if args.kill_in_save is not None and rank == 0:
+        arm_kill_in_save(checkpointer.store, args.kill_in_save)
 
     loaded = checkpointer.load(step=cfg.load_step)
     start = train_state.step
