@@ -75,3 +75,31 @@ def rewrite_manifest(root, step, mutate, rank: int = 0) -> None:
             if ref[0] == rank:
                 ref[1], ref[2] = bytes.fromhex(digest_bytes(data)), len(data)
     rewrite_frame(step_dir(root, step) / "COMMIT", fix_digest)
+
+
+def arm_kill_in_save(store, step: int) -> None:
+    """Test-only fault injection for worker processes: SIGKILL this process when the commit marker of ``step``
+    is about to be written (it goes through the store's storage ``write_atomic``; rank 0 writes it): the
+    step's chunks and manifests are on disk, its commit marker is not."""
+    import os
+    import signal
+    storage = store.storage
+    real = storage.write_atomic
+    marker = f"{step:012d}/COMMIT"
+
+    def write_atomic(path, data):
+        if str(path).endswith(marker):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(path, data)
+
+    storage.write_atomic = write_atomic
+
+
+def read_losses(log: Path) -> dict:
+    """{step: [loss, ...]} of a worker's JSON-lines loss log (a step logged again after a resume appears twice)."""
+    import json
+    out = {}
+    for line in log.read_text().splitlines():
+        d = json.loads(line)
+        out.setdefault(d["step"], []).append(d["loss"])
+    return out

@@ -24,6 +24,7 @@ os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
 import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from helpers import arm_kill_in_save  # noqa: E402
 
 SEQ, VOCAB = 32, 128
 
@@ -73,21 +74,6 @@ class LogAndCrash(TrainerCallback):
             if self.a.uploads_before_kill and hasattr(trainer, "store"):
                 trainer.store.wait_for_uploads(60)
             os.kill(os.getpid(), signal.SIGKILL)
-
-
-def arm_kill_in_save(store, step: int) -> None:
-    """Test-only fault injection: SIGKILL this process when the commit marker of ``step`` is about to be
-    written (it goes through the store's storage ``write_atomic``)."""
-    storage = store.storage
-    real = storage.write_atomic
-    marker = f"{step:012d}/COMMIT"
-
-    def write_atomic(path, data):
-        if str(path).endswith(marker):
-            os.kill(os.getpid(), signal.SIGKILL)
-        return real(path, data)
-
-    storage.write_atomic = write_atomic
 
 
 def parse(argv=None) -> argparse.Namespace:

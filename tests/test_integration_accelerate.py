@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("accelerate", reason="needs the accelerate extra (pip install 'ckptstore[accelerate]')")
 
 from ckptstore import Store  # noqa: E402
+from helpers import read_losses  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve().parent / "accel_train.py"
@@ -72,14 +73,6 @@ def kill_after(procs, log: Path, lines: int, until=lambda: True, timeout=120) ->
             p.communicate()
 
 
-def losses(log: Path):
-    out = {}
-    for line in log.read_text().splitlines():
-        d = json.loads(line)
-        out.setdefault(d["step"], []).append(d["loss"])
-    return out
-
-
 def _remote_steps(url, so):
     with Store(url, storage_options=so, read_only=True) as s:
         return s.steps()
@@ -99,7 +92,7 @@ def test_sigkill_mid_run_resumes_bit_for_bit(tmp_path, world, request):
     assert {"model", "optimizer", "scheduler", "accelerator", "rng", "progress"} <= set(res[0]["keys"])
     if world > 1:           # DDP: rank 0 alone saves the replicated entries
         assert set(res[0]["replicated"]) == {"model", "optimizer", "scheduler", "accelerator"}
-    reference = {s: v[0] for s, v in losses(tmp_path / "ref.log").items()}
+    reference = {s: v[0] for s, v in read_losses(tmp_path / "ref.log").items()}
 
     run = tmp_path / "run"
     log = tmp_path / "run.log"
@@ -122,7 +115,7 @@ def test_sigkill_mid_run_resumes_bit_for_bit(tmp_path, world, request):
         shutil.rmtree(run / "store")
     res = results(start(world, run / "store", log, *cmd))        # the same command
     assert all(r["start"] == max(committed) for r in res), (res, committed)
-    got = losses(log)
+    got = read_losses(log)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step, values in got.items():
         assert all(v == reference[step] for v in values), (step, values, reference[step])

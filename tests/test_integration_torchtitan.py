@@ -27,6 +27,7 @@ import pytest
 pytest.importorskip("torchtitan", reason="needs the torchtitan extra (pip install 'ckptstore[torchtitan]')")
 
 from ckptstore import Store  # noqa: E402
+from helpers import read_losses  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "titan_worker.py"
@@ -101,16 +102,8 @@ class Ranks:
             self.kill()
 
 
-def losses(log: Path):
-    out = {}
-    for line in log.read_text().splitlines():
-        d = json.loads(line)
-        out.setdefault(d["step"], []).append(d["loss"])
-    return out
-
-
-def assert_same_losses(log: Path, reference) -> None:
-    got = losses(log)
+def assert_same_read_losses(log: Path, reference) -> None:
+    got = read_losses(log)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step, values in got.items():             # a step redone after the kill must give the same loss
         assert all(v == reference[step] for v in values), (step, values, reference[step])
@@ -126,7 +119,7 @@ def reference(tmp_path_factory):
     d = tmp_path_factory.mktemp("titan_ref")
     res = Ranks(2, *run_args(d, d / "log", "--keep", "0")).results()
     assert [r["start"] for r in res] == [0, 0] and res[0]["saved"] == list(range(1, STEPS + 1))
-    ref = Reference({s: v[0] for s, v in losses(d / "log").items()})
+    ref = Reference({s: v[0] for s, v in read_losses(d / "log").items()})
     ref.dump = d
     return ref
 
@@ -150,7 +143,7 @@ def test_sigkill_mid_run_resumes_bit_for_bit(tmp_path, reference):
     res = Ranks(2, *args).results()                   # the same command
     assert all(r["loaded"] and r["start"] == in_save - 1 for r in res), (res, committed)
     assert res[0]["ntokens_seen"] == STEPS * 4 * 16   # the train state came back too
-    assert_same_losses(tmp_path / "log", reference)
+    assert_same_read_losses(tmp_path / "log", reference)
     # last_save_model_only (torchtitan's default): the last step holds the model alone, named model-only
     store = Store(tmp_path / "checkpoint", read_only=True)
     assert set(store.load(STEPS, rank=0)) == {"model"} and store.find("model-only") == STEPS
@@ -173,7 +166,7 @@ def test_local_folder_wiped_resumes_from_s3(tmp_path, reference, s3_bucket_url):
     shutil.rmtree(tmp_path / "checkpoint")
     res = Ranks(2, *args).results()
     assert all(r["loaded"] and r["start"] >= max(remote) for r in res), (res, remote)
-    assert_same_losses(tmp_path / "log", reference)
+    assert_same_read_losses(tmp_path / "log", reference)
     assert _remote_steps(url, so) == list(range(1, STEPS + 1))     # close() waited for the uploads
 
 

@@ -15,8 +15,6 @@ stdout is ``RESULT {json}``.
 """
 import argparse
 import json
-import os
-import signal
 import sys
 import time
 
@@ -31,6 +29,7 @@ from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 
 from ckptstore.integrations.torchtitan import CkptstoreCheckpointManager
+from helpers import arm_kill_in_save
 
 VOCAB, DIM, SEQ = 64, 32, 16
 
@@ -76,22 +75,6 @@ class TrainState:
 
     def load_state_dict(self, sd):
         self.step, self.ntokens_seen = int(sd["step"]), int(sd["ntokens_seen"])
-
-
-def arm_kill_in_save(store, step: int) -> None:
-    """Test-only fault injection: SIGKILL this process when the commit marker of ``step`` is about to be
-    written (it goes through the store's storage ``write_atomic``; rank 0 writes it): the step's chunks and
-    manifests are on disk, its commit marker is not."""
-    storage = store.storage
-    real = storage.write_atomic
-    marker = f"{step:012d}/COMMIT"
-
-    def write_atomic(path, data):
-        if str(path).endswith(marker):
-            os.kill(os.getpid(), signal.SIGKILL)
-        return real(path, data)
-
-    storage.write_atomic = write_atomic
 
 
 def main():
