@@ -101,6 +101,7 @@ class Saver:
         self._epoch = None                          # gc epoch seen at the last save (see ckptstore.lease)
         self._gen = 0                               # manifest generation the save in flight writes
         self._names: Tuple[str, ...] = ()           # names the save in flight records in its commit marker
+        self._renaming = False                      # it re-saves the newest step under names (not a rewind)
         self._replicated: List[str] = []            # its replicated keys (save(replicated=...))
 
     # -- the save ------------------------------------------------------------------------------------------
@@ -233,7 +234,8 @@ class Saver:
         commit marker records: ``names`` plus those of the commit it replaces."""
         catalog = self.p.catalog
         newest = self.p.newest_committed()
-        if names and step == newest and catalog.is_committed(step):
+        self._renaming = bool(names) and step == newest and catalog.is_committed(step)
+        if self._renaming:
             try:
                 return tuple(sorted(set(names) | set(catalog.read_commit(step).names)))
             except CorruptCheckpointError:
@@ -336,9 +338,10 @@ class Saver:
             gen = max(g for _, _, g in commit.manifests.values()) + 1
         except CorruptCheckpointError:
             gen = 1                                   # a damaged marker: replaced all the same
-        if self.p.rank == 0:
-            log.warning("step %d is already committed in %s: replacing it (manifest generation %d)", step,
-                        self.p.root, gen)
+        if self.p.rank == 0:           # routine for a re-save under another name (Lightning's last.ckpt)
+            log.log(logging.INFO if self._renaming else logging.WARNING,
+                    "step %d is already committed in %s: replacing it (manifest generation %d)", step,
+                    self.p.root, gen)
         return gen
 
     def _commit(self, step: int, own_digest, bytes_total: int, metrics, *, tag=None,

@@ -1,6 +1,7 @@
 """The core API trainer adapters build on (issue 18): restore a chosen step or some keys, resolve without
 loading, read-only stores, trainer-decided deletion that reaches the remote, names for a step."""
 import json
+import logging
 import shutil
 
 import pytest
@@ -134,10 +135,13 @@ def test_trainer_deletion_reaches_the_remote_after_uploads_and_spares_the_newest
         assert r.verify() == {1: None, 3: None}
 
 
-def test_a_step_saved_under_a_second_name_is_one_commit_with_two_names(tmp_path):
+def test_a_step_saved_under_a_second_name_is_one_commit_with_two_names(tmp_path, caplog):
     with Store(tmp_path) as s:
         s.save({"w": torch.ones(10), "cb": {"best": 0}}, 2, names=["epoch=0-step=2.ckpt"])
-        s.save({"w": torch.ones(10), "cb": {"best": 1}}, 2, names=["last.ckpt"])   # Lightning's second save
+        with caplog.at_level(logging.INFO, logger="ckptstore"):
+            s.save({"w": torch.ones(10), "cb": {"best": 1}}, 2, names=["last.ckpt"])   # Lightning's second save
+        replaced = [r for r in caplog.records if "already committed" in r.getMessage()]
+        assert replaced and all(r.levelno == logging.INFO for r in replaced)   # routine, not a warning
         assert s.steps() == [2]
         assert s.commit_info(2).names == ("epoch=0-step=2.ckpt", "last.ckpt")
         assert s.load(2)["cb"] == {"best": 1}                  # the values given last
