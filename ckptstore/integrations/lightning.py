@@ -30,7 +30,7 @@ import os
 import pathlib
 import tempfile
 import threading
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -274,6 +274,22 @@ class _RNGCallback(Callback):
         self._rng.apply()
 
 
+def _flush_pending(pending: List[Tuple[Any, str, int]], wait: bool,
+                   install: Callable[[str, int], None]) -> List[Tuple[Any, str, int]]:
+    """``(handle, path, step)`` of non-blocking saves: ``install(path, step)`` for each that has committed, in
+    order (all of them, waiting, when ``wait``); a background save's error is raised by its handle. Returns those
+    still in flight."""
+    still = []
+    for handle, path, step in pending:
+        if not wait and not handle.done():
+            still.append((handle, path, step))
+            continue
+        res = handle.result()                 # raises the background save's error
+        if res is None or getattr(res, "committed", True):
+            install(path, step)
+    return still
+
+
 # -- single process and DDP -----------------------------------------------------------------------------------------
 class CkptstoreCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` that stores checkpoints in a ckptstore ``Store`` (single device and DDP, where
@@ -340,15 +356,7 @@ class CkptstoreCheckpointIO(CheckpointIO):
 
     def _flush_stubs(self, wait: bool = True) -> None:
         """Write the stubs of non-blocking saves that have committed (all of them, waiting, when ``wait``)."""
-        still = []
-        for handle, path, step in self._pending:
-            if not wait and not handle.done():
-                still.append((handle, path, step))
-                continue
-            res = handle.result()                 # raises the background save's error
-            if res is None or getattr(res, "committed", True):
-                self._install_stub(path, step)
-        self._pending = still
+        self._pending = _flush_pending(self._pending, wait, self._install_stub)
 
     def _install_stub(self, name: str, step: int) -> None:
         """Write the stub; a step whose last stub it replaced (``last.ckpt`` moving on) is released."""
@@ -606,15 +614,9 @@ class CkptstoreModelParallelStrategy(ModelParallelStrategy):
         return self._store
 
     def _flush_stubs(self, wait: bool = True) -> None:
-        still = []
-        for handle, path, step in self._pending:
-            if not wait and not handle.done():
-                still.append((handle, path, step))
-                continue
-            res = handle.result()
-            if self.global_rank == 0 and (res is None or getattr(res, "committed", True)):
-                self._install_stub(path, step)
-        self._pending = still
+        """As :meth:`CkptstoreCheckpointIO._flush_stubs`; every rank waits for its save, rank 0 writes stubs."""
+        install = self._install_stub if self.global_rank == 0 else (lambda path, step: None)
+        self._pending = _flush_pending(self._pending, wait, install)
 
     def _install_stub(self, name: str, step: int) -> None:
         try:
