@@ -186,16 +186,20 @@ def test_kill_mid_save_and_mid_training_resumes_bit_for_bit(tmp_path, reference)
 def test_resume_from_s3_after_local_disk_wiped(tmp_path, reference, s3_bucket_url):
     """A run uploading to loopback S3 is SIGKILLed; its local store and every stub are deleted; the same command
     resumes from the remote (``resume_path`` rewrites the stub) and every logged loss equals the uninterrupted run's."""
-    first = Run(tmp_path, "--resume", "io", "--steps", str(STEPS), "--sleep", "0.2", remote=s3_bucket_url)
+    first = Run(tmp_path, "--resume", "io", "--steps", str(STEPS), "--sleep", "0.6", remote=s3_bucket_url)
     assert first.wait_saving(8), first.output()
     time.sleep(0.5)
     first.kill()
+    began = [int(m.group(1)) for ln in first.lines[0] if (m := _SAVING.match(ln))]
+    assert began and max(began) < STEPS, first.output()     # killed before the end (the steps' sleep allows it)
     shutil.rmtree(tmp_path / "store")
     shutil.rmtree(tmp_path / "names")
     res = Run(tmp_path, "--resume", "io", "--steps", str(STEPS), remote=s3_bucket_url).finish()[0]
     assert res["ckpt_path"] is not None and res["global_step"] == STEPS
     firsts = first_step_per_process(tmp_path / "loss.jsonl")
-    assert len(firsts) == 2 and 2 <= firsts[1] <= 8, firsts      # resumed from a step the remote held
+    # resumed mid-run from a step the remote held: at most the last save the killed run began (a loaded machine
+    # may let it reach step 10 before the kill)
+    assert len(firsts) == 2 and 2 <= firsts[1] <= max(began), (firsts, began)
     assert_same_losses(read_log(tmp_path / "loss.jsonl"), reference)
     assert STEPS in res["remote_steps"] and STEPS in res["local_steps"]
 
