@@ -17,16 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from . import __version__
-from .commit import agree_commit, make_part, root_identity
+from .commit import commit_across_ranks, root_identity
 from .errors import CheckpointError, CorruptCheckpointError
 from .layout import check_step, manifest_path
 from .lease import WriterOp, acquire_writer, read_epoch
-from .manifest import ArrayEntry, Commit, Manifest, ManifestNode, check_names, decode_commit, encode_commit
+from .manifest import ArrayEntry, Commit, Manifest, ManifestNode, check_names, encode_commit
 from .parts import Parts, quiet
 from .pointers import point_away_from, point_to_if_newest
 from .rewind import drop_local_after, must_truncate
 from .runconfig import normalize
-from .shardmap import build as build_shard_map, local_entry
 from .snapshot import ArraySpec, direct_view, spec_of
 from .state import Node, flatten, gc_paused
 from .upload import Uploader
@@ -354,35 +353,13 @@ class Saver:
         files in the shared root (and writes no shard map: readers then read every manifest)."""
         p = self.p
         if tag is not None:
-            part = make_part(own_digest, bytes_total, error, root_identity(p.storage.local_path("")),
-                             shard_entry=local_entry(manifest) if manifest is not None else None)
-
-            def write_commit(parts):
-                manifests = {r: (q["digest"], q["size"], q["gen"]) for r, q in enumerate(parts)}
-                shard_map = ref = None
-                if all("map" in q for q in parts):
-                    shard_map = build_shard_map(step, [q["map"] for q in parts], manifest)
-                    ref = p.catalog.write_shard_map(step, self._gen, shard_map)
-                commit = self._new_commit(step, manifests, sum(q["bytes"] for q in parts), metrics)
-                commit.shards = ref
-                data = encode_commit(commit)
-                self._write_commit_marker(step, data)
-                return data, shard_map
-
-            def write_copy(data, shard_map):
-                if shard_map is not None:
-                    ref = decode_commit(data, step=step, what="commit verdict").shards
-                    if ref is not None:
-                        p.catalog.write_shard_map(step, ref[2], shard_map)
-                self._write_commit_marker(step, data)
-
-            def adopt(data):                          # rank 0's run id, on every rank, from the first commit
-                p.adopt_run_id(decode_commit(data, step=step, what="commit verdict").run_id)
-            try:
-                return agree_commit(p.coord, tag, step, part, timeout=p.collective_timeout,
-                                    write_commit=write_commit, write_copy=write_copy, on_committed=adopt)
-            except CheckpointError as e:
-                raise e from error
+            return commit_across_ranks(
+                p.coord, tag, step, manifest=manifest, own_digest=own_digest, bytes_total=bytes_total,
+                error=error, where=root_identity(p.storage.local_path("")), timeout=p.collective_timeout,
+                new_commit=lambda manifests, total: self._new_commit(step, manifests, total, metrics),
+                write_marker=lambda data: self._write_commit_marker(step, data),
+                write_map=lambda gen, data: p.catalog.write_shard_map(step, gen, data), gen=self._gen,
+                adopt_run_id=p.adopt_run_id)
         if p.rank != 0:
             return False
         manifests = {0: own_digest}

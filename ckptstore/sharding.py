@@ -20,7 +20,7 @@ tensors stay cheap). Replicated shards (the same box saved by several ranks) are
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -38,12 +38,15 @@ class ShardInfo:
     ``global_shape``: the full tensor's shape. ``offset``: the shard's first index in each dim (the shard's
     own shape is the manifest entry's ``shape``). ``mesh``: the device mesh's shape at save time.
     ``placements``: one string per mesh dim, as torch prints them (``"S(0)"``, ``"R"``, ``"_S(0, 2)"``);
-    informational (the box alone drives resharding).
+    informational (the box alone drives resharding). ``grid``: at save time only (never in a manifest), the
+    mesh's ranks in mesh order as little-endian int32 bytes, one object shared by every DTensor of the same
+    mesh (the step's shard map records it once: :mod:`ckptstore.shardmap`).
     """
     global_shape: Tuple[int, ...]
     offset: Tuple[int, ...]
     mesh: Tuple[int, ...] = ()
     placements: Tuple[str, ...] = ()
+    grid: Optional[bytes] = field(default=None, compare=False, repr=False)
 
     def encode(self) -> Dict[str, Any]:
         return {"global_shape": list(self.global_shape), "offset": list(self.offset), "mesh": list(self.mesh),
@@ -91,7 +94,27 @@ def local_shard(t) -> Tuple[torch.Tensor, ShardInfo]:
         raise TypeError(f"DTensor local shard has shape {tuple(local.shape)}, its placements "
                         f"{tuple(t.placements)} say {tuple(shape)}: cannot place it")
     return local, ShardInfo(tuple(int(s) for s in t.shape), tuple(int(o) for o in offset),
-                            tuple(int(s) for s in t.device_mesh.shape), tuple(str(p) for p in t.placements))
+                            tuple(int(s) for s in t.device_mesh.shape), tuple(str(p) for p in t.placements),
+                            mesh_grid(t.device_mesh))
+
+
+_GRIDS: Dict[int, Tuple[Any, bytes]] = {}       # id(mesh) -> (mesh, its grid): a few long-lived meshes
+
+
+def mesh_grid(mesh) -> Optional[bytes]:
+    """A device mesh's ranks in mesh order, int32 little-endian (cached per mesh object); ``None`` if
+    unavailable."""
+    hit = _GRIDS.get(id(mesh))
+    if hit is not None and hit[0] is mesh:
+        return hit[1]
+    try:
+        grid = mesh.mesh.to(torch.int32).contiguous().cpu().numpy().astype("<i4").tobytes()
+    except Exception:                  # pragma: no cover - a mesh type without a rank grid
+        return None
+    if len(_GRIDS) >= 64:
+        _GRIDS.clear()
+    _GRIDS[id(mesh)] = (mesh, grid)
+    return grid
 
 
 def target_box(t) -> Box:

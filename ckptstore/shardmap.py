@@ -6,21 +6,37 @@ Without it, a rank that reshards must read every saved rank's manifest to find t
 (the "resume reading every file on every rank" of pytorch#125740). With it, a rank reads the commit marker,
 this map, rank 0's manifest (plain values) and the manifests of the ranks whose shards overlap its targets.
 
-Who writes it, and when (FORMAT.md "Shard map"): each rank adds a small *entry* to its part of the commit's one
-gather (:func:`local_entry`: per sharded key an 8-byte key hash and the saved box; per plain value, by position,
-an 8-byte signature hash), so the number of collectives per save stays constant. Rank 0 builds the map
-(:func:`build`), writes it as ``steps/<step>/shards[.g<gen>].msgpack`` before the commit marker, and records
-its digest, size and generation in the marker (leaders of other roots get its bytes through the coordinator
-and write it too). Keys are named by hash, not by path: the map stays small, and it only *selects* manifests:
-the shards themselves come from the manifests, matched by their full key path and checked to cover every
+**Described by rule, not by box** (issue 19). A DTensor's local shard is, by torch's definition, a function of
+(global shape, mesh shape, the rank's mesh coordinate, placements). So the map records, once per sharded key,
+its 8-byte key hash, global shape, mesh and placements, and once per device mesh its rank grid (4 bytes per
+rank of the mesh): O(keys + ranks), never O(keys x ranks). A reader finds the saved ranks overlapping a target
+box by walking the mesh dims (a bisection per ``Shard`` dim, one coordinate per ``Replicate`` dim), never by
+scanning ranks. The map is exact only when every rank laid its shards out alike, so at every save each rank
+sends rank 0 8 bytes hashing its layout (key hashes, global shapes, placements, mesh grids) and one bit saying
+its own boxes are what the rule gives for its coordinate (:func:`layout`); rank 0 writes a map only when every
+rank's layout equals its own and every bit is set. Placements other than ``Shard(d)`` / ``Replicate`` (e.g.
+``_StridedShard`` of FSDP2 + TP) are recorded but not walked: a reader reads every manifest for those keys.
+
+**Rank-local values** are found by group digests: each rank hashes its plain values (not DTensors, not keys
+saved as replicated) in at most :data:`MAX_GROUPS` groups (top-level keys, split into their children where a
+key has few: ``rng/torch``, ``progress/consumed``), 16 bytes a group (:func:`plain_groups`); rank 0 folds them
+rank by rank (:class:`RankLocalFold`): a group whose digest differs on any rank is rank-local. The map records
+the top-most rank-local paths (``None``, "unknown": readers compare the manifests, when some rank holds a group
+rank 0 does not).
+
+Who writes it (FORMAT.md "Shard map"): rank 0 builds it from its own manifest and meshes (:func:`build_rule`)
+and writes it as ``steps/<step>/shards[.g<gen>].msgpack`` before the commit marker, which records its digest;
+a leader of another root builds the same bytes from its own manifest and the rank-local paths in its message,
+and writes them only when their digest is the one recorded. Keys are named by hash: the map only *selects*
+manifests; the shards come from the manifests, matched by their full key path and checked to cover every
 target element, and a map that selects too few ranks (or cannot be read) makes the reader fall back to every
-manifest, logged. A commit marker without a map (older steps, single-process saves) reads every manifest, as
-before.
+manifest, logged. Maps written before issue 19 (one box per rank and key, ``"boxes"``) are still read.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import msgpack
@@ -34,6 +50,9 @@ log = logging.getLogger("ckptstore")
 
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]
 MAX_SHARD_MAP_BYTES = 256 << 20      # a reader never reads more (about 8 M saved shard boxes)
+MAX_GROUPS = 64                      # plain-value groups a rank sends (16 bytes each); more -> one per top key
+SPLIT_CHILDREN = 16                  # a top-level key with at most this many children is split into them
+MAX_SENT_GROUPS = 256                # beyond this many top-level keys: rank-local values are "unknown"
 
 
 def key_hash(path: KeyPath) -> bytes:
@@ -96,52 +115,257 @@ def _order(paths: List[KeyPath]) -> bytes:
     return hashlib.blake2b(msgpack.packb([list(p) for p in paths], use_bin_type=True), digest_size=8).digest()
 
 
-def local_entry(m: Manifest) -> Dict[str, Any]:
-    """This rank's contribution to the map, sent in the commit's gather: ``boxes`` ``[[key hash, offset,
-    shape], ...]`` of its sharded values; ``order``: 8 bytes hashing the paths of its plain values, in manifest
-    order; ``plain``: 8 bytes per plain value, in that order, hashing its signature (measured: 64 KiB and
-    23 ms for 4000 plain tensors with a key hash per value; by position, 32 KiB and 7 ms)."""
-    boxes = [[key_hash(n.path), list(n.payload.shard.offset), list(n.payload.shape)]
-             for n in m.nodes if n.kind == "dtensor"]
-    paths, plain = _plain_signatures(m)
-    entry = {"boxes": boxes, "order": _order(paths), "plain": plain}
-    if m.replicated:
-        entry["replicated"] = list(m.replicated)
-    return entry
+# -- what each rank sends at a save ---------------------------------------------------------------------------
+_S_RE = re.compile(r"S\((\d+)\)")
 
 
-def build(step: int, entries: Sequence[Dict[str, Any]], rank0: Manifest) -> bytes:
-    """The map's bytes from every rank's :func:`local_entry` (index = rank) and rank 0's manifest (which names
-    the rank-local paths). ``rank_local`` is ``None`` ("unknown": readers compare the manifests) when some
-    rank's plain values are not the same paths in the same order as rank 0's (rank 0 could not name them)."""
-    rep = list(rank0.replicated)
-    differ_rep = [r for r, e in enumerate(entries) if list(e.get("replicated", [])) != rep]
-    if differ_rep:       # a step rank r could not load: refuse to commit it (the save raises CommitError)
-        raise ValueError(f"ranks {differ_rep} declared other replicated keys than rank 0 ({rep}): every rank "
-                         "must pass the same save(replicated=...)")
-    boxes: Dict[bytes, List[list]] = {}
-    for r, e in enumerate(entries):
-        for h, off, shape in e["boxes"]:
-            boxes.setdefault(h, []).append([r, off, shape])
-    paths, own = _plain_signatures(rank0)
-    order = _order(paths)
-    rank_local: Optional[List[list]] = None
-    if all(e.get("order") == order and len(e.get("plain", b"")) == len(own) for e in entries):
-        base = np.frombuffer(own, dtype=np.uint64)
-        differ = np.zeros(len(base), dtype=bool)
-        for e in entries:
-            differ |= np.frombuffer(e["plain"], dtype=np.uint64) != base
-        rank_local = [list(p) for p in top_most([paths[i] for i in np.flatnonzero(differ)])]
-    return frame("shards", {"step": step, "world_size": len(entries), "boxes": list(boxes.items()),
-                            "rank_local": rank_local})
+def parse_placements(placements: Sequence[str]) -> Optional[List[Tuple[str, int]]]:
+    """``("S(0)", "R")`` -> ``[("S", 0), ("R", -1)]``; ``None`` when some placement is neither (not walked)."""
+    out = []
+    for p in placements:
+        if p == "R":
+            out.append(("R", -1))
+        else:
+            m = _S_RE.fullmatch(p)
+            if m is None:
+                return None
+            out.append(("S", int(m.group(1))))
+    return out
+
+
+def _chunk(size: int, n: int, c: int) -> Tuple[int, int]:
+    """(size, offset) of chunk ``c`` of ``n`` of ``size`` elements, as torch's ``Shard`` splits a dim
+    (``torch.chunk``: ceil(size / n) each, the last ones shorter or empty). Written out (torch's own
+    ``Shard.local_shard_size_and_offset`` costs ~80 us a call); a save whose boxes differ from it writes no
+    map (:func:`layout`), so a change of torch's rule cannot make a reader trust a wrong map."""
+    per = -(-size // n)
+    off = min(c * per, size)
+    return max(0, min(size, off + per) - off), off
+
+
+def rule_box(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
+             parsed: List[Tuple[str, int]]) -> Box:
+    """The box ``(offset, shape)`` the coordinate ``coord`` holds by rule (mesh dims applied left to right)."""
+    off, size = [0] * len(global_shape), list(global_shape)
+    for (kind, d), n, c in zip(parsed, mesh_shape, coord):
+        if kind == "S":
+            sz, o = _chunk(size[d], n, c)
+            off[d] += o
+            size[d] = sz
+    return tuple(off), tuple(size)
+
+
+def _same_box(a: Box, b: Box) -> bool:
+    if 0 in a[1] or 0 in b[1]:               # empty shards: torch puts their offset at the dim's end
+        return 0 in a[1] and 0 in b[1]
+    return tuple(a[0]) == tuple(b[0]) and tuple(a[1]) == tuple(b[1])
+
+
+def _meshes(m: Manifest) -> Tuple[List[bytes], Dict[int, int]]:
+    """The distinct rank grids of ``m``'s DTensor nodes in order of first use, and id(grid) -> index."""
+    grids: List[bytes] = []
+    index: Dict[int, int] = {}
+    for n in m.nodes:
+        if n.kind == "dtensor":
+            g = n.payload.shard.grid
+            if g is not None and id(g) not in index:
+                index[id(g)] = len(grids)
+                grids.append(g)
+    return grids, index
+
+
+def layout(m: Manifest, rank: int) -> Tuple[bytes, bool]:
+    """This rank's layout digest (8 bytes: the sharded keys' hashes, global shapes, dtypes, placements, mesh
+    shapes and rank grids, in manifest order) and whether each of its saved boxes is the one the rule gives for
+    its coordinate (``False`` too when a DTensor's mesh grid is unknown or a placement is not walked: no map)."""
+    h = hashlib.blake2b(digest_size=8)
+    grids, index = _meshes(m)
+    for g in grids:
+        h.update(len(g).to_bytes(8, "little"))
+        h.update(hashlib.blake2b(g, digest_size=16).digest())
+    ok = True
+    coords: Dict[int, Optional[Tuple[int, ...]]] = {}
+    for n in m.nodes:
+        if n.kind != "dtensor":
+            continue
+        e = n.payload
+        info = e.shard
+        h.update(key_hash(n.path))
+        h.update(msgpack.packb([list(info.global_shape), e.dtype, list(info.mesh), list(info.placements),
+                                index.get(id(info.grid), -1)], use_bin_type=True))
+        if not ok:
+            continue
+        parsed = parse_placements(info.placements)
+        if info.grid is None or parsed is None:
+            ok = False
+            continue
+        mi = index[id(info.grid)]
+        if mi not in coords:
+            coords[mi] = _coordinate(info.grid, info.mesh, rank)
+        c = coords[mi]
+        ok = c is not None and _same_box(rule_box(info.global_shape, info.mesh, c, parsed),
+                                         (info.offset, e.shape))
+    return h.digest(), ok
+
+
+def _coordinate(grid: bytes, mesh_shape: Sequence[int], rank: int) -> Optional[Tuple[int, ...]]:
+    flat = np.flatnonzero(np.frombuffer(grid, dtype="<i4") == rank)
+    if len(flat) != 1:
+        return None
+    return tuple(int(x) for x in np.unravel_index(int(flat[0]), tuple(mesh_shape)))
+
+
+def replicated_digest(m: Manifest) -> bytes:
+    """8 bytes naming the keys ``m`` was saved with as replicated (every rank must pass the same)."""
+    return hashlib.blake2b(msgpack.packb(sorted(m.replicated), use_bin_type=True), digest_size=8).digest()
+
+
+def plain_groups(m: Manifest) -> Tuple[List[KeyPath], Optional[bytes], Optional[bytes]]:
+    """``(group paths, key hashes, digests)``: this rank's plain values in groups (see the module docstring),
+    8 + 8 bytes per group, at most :data:`MAX_GROUPS` unless there are more top-level keys; ``(paths, None,
+    None)`` beyond :data:`MAX_SENT_GROUPS` top-level keys (rank-local values then "unknown")."""
+    paths, sigs = _plain_signatures(m)
+    children: Dict[Any, set] = {}
+    tops: Dict[Any, None] = {}
+    for p in paths:
+        tops.setdefault(p[0])
+        if len(p) >= 2:
+            children.setdefault(p[0], set()).add(p[1])
+    if len(tops) > MAX_SENT_GROUPS:
+        return [], None, None
+    split, count = set(), len(tops)
+    for t in sorted(tops, key=str):
+        k = len(children.get(t, ()))
+        if 0 < k <= SPLIT_CHILDREN and count + k <= MAX_GROUPS:
+            split.add(t)
+            count += k
+    hashers: Dict[KeyPath, Any] = {}
+    for i, p in enumerate(paths):
+        g = p[:2] if p[0] in split and len(p) >= 2 else p[:1]
+        h = hashers.get(g)
+        if h is None:
+            h = hashers[g] = hashlib.blake2b(digest_size=8)
+            h.update(msgpack.packb(list(p[:1]), use_bin_type=True))
+        h.update(msgpack.packb(list(p[1:]), use_bin_type=True))
+        h.update(sigs[8 * i: 8 * i + 8])
+    groups = list(hashers)
+    return (groups, b"".join(key_hash(g) for g in groups), b"".join(hashers[g].digest() for g in groups))
+
+
+class RankLocalFold:
+    """Rank 0's fold of every rank's :func:`plain_groups` (memory: O(groups), whatever the number of ranks)."""
+
+    def __init__(self, groups: List[KeyPath], keys: Optional[bytes], digests: Optional[bytes]):
+        self.groups, self.keys = groups, keys
+        self.unknown = keys is None
+        self.base = np.frombuffer(digests or b"", dtype="<u8")
+        self.index = {keys[8 * i: 8 * i + 8]: i for i in range(len(groups))} if keys is not None else {}
+        self.differ = np.zeros(len(self.base), dtype=bool)
+
+    def add(self, keys: Optional[bytes], digests: Optional[bytes]) -> None:
+        if self.unknown:
+            return
+        if not isinstance(keys, bytes) or not isinstance(digests, bytes) or len(keys) != len(digests) \
+                or len(keys) % 8:
+            self.unknown = True
+            return
+        if keys == self.keys:                                   # the common case: same groups, same order
+            self.differ |= np.frombuffer(digests, dtype="<u8") != self.base
+            return
+        seen = np.zeros(len(self.base), dtype=bool)
+        got = np.frombuffer(digests, dtype="<u8")
+        for j in range(len(keys) // 8):
+            i = self.index.get(keys[8 * j: 8 * j + 8])
+            if i is None:                   # a group rank 0 does not hold: it cannot name it
+                self.unknown = True
+                return
+            seen[i] = True
+            self.differ[i] |= bool(got[j] != self.base[i])
+        self.differ |= ~seen
+
+    def rank_local(self) -> Optional[List[KeyPath]]:
+        """Top-most rank-local paths, ``None`` when unknown."""
+        if self.unknown:
+            return None
+        return top_most([self.groups[i] for i in np.flatnonzero(self.differ)])
+
+
+def build_rule(step: int, world_size: int, m: Manifest, rank_local: Optional[List[KeyPath]]) -> bytes:
+    """The map's bytes from this rank's manifest ``m`` (whose layout every rank shares: see :func:`layout`)
+    and the rank-local paths rank 0 found. The same inputs give the same bytes on any rank."""
+    grids, index = _meshes(m)
+    keys = []
+    for n in m.nodes:
+        if n.kind == "dtensor":
+            info = n.payload.shard
+            keys.append([key_hash(n.path), index[id(info.grid)], list(info.global_shape), list(info.mesh),
+                         list(info.placements)])
+    meshes = []
+    seen_shape: Dict[int, List[int]] = {}
+    for n in m.nodes:
+        if n.kind == "dtensor":
+            seen_shape.setdefault(index[id(n.payload.shard.grid)], list(n.payload.shard.mesh))
+    for i, g in enumerate(grids):
+        meshes.append([seen_shape[i], g])
+    return frame("shards", {"step": step, "world_size": world_size, "rule": 1, "meshes": meshes, "keys": keys,
+                            "rank_local": None if rank_local is None else [list(p) for p in rank_local]})
+
+
+class _Rule:
+    """The rule half of a map: per key (mesh index, global shape, parsed placements or None), per mesh (shape,
+    rank grid)."""
+
+    def __init__(self, meshes: List[Tuple[Tuple[int, ...], np.ndarray]],
+                 keys: Dict[bytes, Tuple[int, Tuple[int, ...], Optional[List[Tuple[str, int]]]]]):
+        self.meshes, self.keys = meshes, keys
+        self._members: Dict[int, set] = {}
+
+    def members(self, mi: int) -> set:
+        got = self._members.get(mi)
+        if got is None:
+            got = self._members[mi] = set(int(x) for x in self.meshes[mi][1])
+        return got
+
+    def ranks(self, h: bytes, global_shape: Tuple[int, ...], box: Box, prefer: int) -> Optional[List[int]]:
+        info = self.keys.get(h)
+        if info is None or info[2] is None or tuple(info[1]) != tuple(global_shape):
+            return None
+        mi, g, parsed = info
+        shape, grid = self.meshes[mi]
+        if 0 in box[1]:
+            return []
+        pos = np.flatnonzero(grid == prefer)
+        pref = np.unravel_index(int(pos[0]) if len(pos) else prefer % len(grid), shape)
+        leaves = [((), [0] * len(g), list(g))]
+        for i, (kind, d) in enumerate(parsed):
+            n, nxt = shape[i], []
+            for coord, off, size in leaves:
+                if kind == "R":
+                    nxt.append((coord + (int(pref[i]),), off, size))
+                    continue
+                lo, hi = box[0][d], box[0][d] + box[1][d]
+                if size[d] == 0:
+                    continue
+                per = -(-size[d] // n)                          # torch.chunk's chunk size
+                first = max(0, (lo - off[d]) // per - 1)
+                last = min(n - 1, (hi - 1 - off[d]) // per + 1)
+                for c in range(first, last + 1):
+                    sz, o = _chunk(size[d], n, c)
+                    a = off[d] + o
+                    if sz and a < hi and a + sz > lo:
+                        off2, size2 = list(off), list(size)
+                        off2[d], size2[d] = a, sz
+                        nxt.append((coord + (c,), off2, size2))
+            leaves = nxt
+        return sorted({int(grid[np.ravel_multi_index(c, shape)]) for c, _, _ in leaves})
 
 
 class ShardMap:
     """A decoded, validated shard map. ``rank_local``: top-most rank-local paths (``None``: unknown)."""
 
-    def __init__(self, world_size: int, boxes: Dict[bytes, List[Tuple[int, Box]]],
-                 rank_local: Optional[List[KeyPath]]):
-        self.world_size, self._boxes, self.rank_local = world_size, boxes, rank_local
+    def __init__(self, world_size: int, boxes: Optional[Dict[bytes, List[Tuple[int, Box]]]],
+                 rank_local: Optional[List[KeyPath]], rule: Optional[_Rule] = None):
+        self.world_size, self._boxes, self.rank_local, self._rule = world_size, boxes, rank_local, rule
         self._indexes: Dict[bytes, ShardIndex] = {}
 
     @staticmethod
@@ -152,6 +376,14 @@ class ShardMap:
         try:
             if body.get("step") != step or body.get("world_size") != world_size:
                 raise ValueError(f"map is for step {body.get('step')!r}, world size {body.get('world_size')!r}")
+            rl = body.get("rank_local")
+            if rl is not None:
+                if not isinstance(rl, list) or not all(
+                        isinstance(p, list) and p and all(isinstance(x, (str, int)) for x in p) for p in rl):
+                    raise ValueError("bad rank-local paths")
+                rl = [tuple(p) for p in rl]
+            if body.get("rule") == 1:
+                return ShardMap(world_size, None, rl, _decode_rule(body, world_size))
             boxes: Dict[bytes, List[Tuple[int, Box]]] = {}
             for h, shards in body["boxes"]:
                 if not isinstance(h, bytes) or len(h) != 8 or not isinstance(shards, list):
@@ -163,12 +395,6 @@ class ShardMap:
                         raise ValueError(f"bad box {[r, off, shape]!r:.80}")
                     out.append((r, (tuple(off), tuple(shape))))
                 boxes[h] = out
-            rl = body.get("rank_local")
-            if rl is not None:
-                if not isinstance(rl, list) or not all(
-                        isinstance(p, list) and p and all(isinstance(x, (str, int)) for x in p) for p in rl):
-                    raise ValueError("bad rank-local paths")
-                rl = [tuple(p) for p in rl]
             return ShardMap(world_size, boxes, rl)
         except (ValueError, TypeError, KeyError) as e:
             raise CorruptCheckpointError(f"invalid shard map: {e}", step=step, blob=what) from None
@@ -179,7 +405,10 @@ class ShardMap:
         not load as a tree without it (found by the format-2 fuzz, issue 17)."""
         from .errors import CorruptCheckpointError
         have = {key_hash(p) for p in paths}
-        want = {h for h, shards in self._boxes.items() if any(r == rank for r, _ in shards)}
+        if self._rule is not None:
+            want = {h for h, (mi, _, _) in self._rule.keys.items() if rank in self._rule.members(mi)}
+        else:
+            want = {h for h, shards in self._boxes.items() if any(r == rank for r, _ in shards)}
         if have != want:
             raise CorruptCheckpointError(f"rank {rank}'s manifest holds {len(have)} sharded keys, the step's shard "
                                          f"map says {len(want)} ({len(want - have)} missing, {len(have - want)} "
@@ -187,8 +416,10 @@ class ShardMap:
 
     def ranks(self, path: KeyPath, global_shape: Tuple[int, ...], box: Box, prefer: int) -> Optional[List[int]]:
         """The saved ranks whose shards of ``path`` overlap ``box`` (one rank per replicated box, ``prefer``
-        first), by bisection on dim 0; ``None`` when the map does not know the key."""
+        first); ``None`` when the map does not know the key (or cannot walk its placements)."""
         h = key_hash(path)
+        if self._rule is not None:
+            return self._rule.ranks(h, tuple(global_shape), box, prefer)
         index = self._indexes.get(h)
         if index is None:
             saved = self._boxes.get(h)
@@ -197,3 +428,37 @@ class ShardMap:
             ordered = sorted(saved, key=lambda rb: rb[0] != prefer)       # stable: then by rank
             index = self._indexes[h] = ShardIndex(tuple(global_shape), (SavedShard(b, None, r) for r, b in ordered))
         return sorted({s.rank for s, _ in index.overlapping(box)})
+
+
+def _decode_rule(body: Dict[str, Any], world_size: int) -> _Rule:
+    meshes = []
+    for item in body["meshes"]:
+        shape, grid = item
+        if (not isinstance(shape, list) or not 1 <= len(shape) <= 16
+                or not all(isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= world_size for x in shape)):
+            raise ValueError(f"bad mesh shape {shape!r:.80}")
+        size = int(np.prod(shape))
+        if not isinstance(grid, bytes) or size > world_size or len(grid) != 4 * size:
+            raise ValueError(f"bad rank grid for mesh {shape}")
+        ranks = np.frombuffer(grid, dtype="<i4")
+        if ranks.min() < 0 or ranks.max() >= world_size or len(np.unique(ranks)) != size:
+            raise ValueError(f"rank grid of mesh {shape} names ranks outside 0..{world_size - 1} or twice")
+        meshes.append((tuple(shape), ranks))
+    keys: Dict[bytes, Tuple[int, Tuple[int, ...], Optional[List[Tuple[str, int]]]]] = {}
+    for item in body["keys"]:
+        h, mi, g, mesh, placements = item
+        if not isinstance(h, bytes) or len(h) != 8 or h in keys:
+            raise ValueError("bad key hash")
+        if not isinstance(mi, int) or not 0 <= mi < len(meshes) or list(mesh) != list(meshes[mi][0]):
+            raise ValueError(f"bad mesh index {mi!r:.20}")
+        if (not isinstance(g, list) or not 1 <= len(g) <= 64
+                or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 48 for x in g)):
+            raise ValueError(f"bad global shape {g!r:.80}")
+        if (not isinstance(placements, list) or len(placements) != len(mesh)
+                or not all(isinstance(p, str) and len(p) < 64 for p in placements)):
+            raise ValueError(f"bad placements {placements!r:.80}")
+        parsed = parse_placements(placements)
+        if parsed is not None and any(k == "S" and d >= len(g) for k, d in parsed):
+            raise ValueError(f"placements {placements} shard a dim the global shape {g} lacks")
+        keys[h] = (mi, tuple(g), parsed)
+    return _Rule(meshes, keys)

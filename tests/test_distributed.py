@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
@@ -83,13 +84,10 @@ def test_a_shard_map_that_lies_falls_back_to_every_manifest(saved4, tmp_path, li
     shutil.copytree(saved4 / "store", store)
     (path,) = [p for p in step_dir(store, 3).iterdir() if p.name.startswith("shards")]
 
-    def mutate(body):
-        for _, shards in body["boxes"]:
-            for box in shards:
-                if lie == "wrong_ranks":
-                    box[0] = 3 - box[0]
-                else:
-                    box[0] = 99
+    def mutate(body):                     # the map describes the shards by rule: lie about the mesh's ranks
+        for mesh in body["meshes"]:
+            grid = np.frombuffer(mesh[1], dtype="<i4")
+            mesh[1] = (grid[::-1] if lie == "wrong_ranks" else np.full_like(grid, 99)).astype("<i4").tobytes()
     rewrite_frame(path, mutate)
     data = path.read_bytes()
 
