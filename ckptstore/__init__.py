@@ -21,5 +21,5 @@ from .store import SaveResult, Store  # noqa: E402
 install_log_filter()              # no credential in any ckptstore log line
 
 __all__ = ["Store", "Remote", "Writing", "Packing", "Retention", "RetryPolicy", "RNGState", "SaveResult",
-           "ElasticSampler", "CheckpointError", "CorruptCheckpointError", "IncompatibleCheckpointError", "UploadError", "CommitError",
-           "__version__"]
+           "ElasticSampler", "CheckpointError", "CorruptCheckpointError", "IncompatibleCheckpointError",
+           "UploadError", "CommitError", "__version__"]
