@@ -29,6 +29,8 @@ from typing import Any, Dict, Iterator, Mapping, Optional, Sized, Tuple, Union
 import torch
 from torch.utils.data import Sampler
 
+from .errors import IncompatibleCheckpointError
+
 log = logging.getLogger("ckptstore")
 
 STATE_VERSION = 1
@@ -43,11 +45,12 @@ def _int(name: str, value: Any, lo: int = 0) -> int:
     return value
 
 
-def _seed(value: Any) -> int:
-    seed = _int("seed", value)
-    if seed >= 1 << 62:
-        raise ValueError(f"seed must be < 2**62, got {seed}")
-    return seed
+def _below_2_62(name: str, value: Any) -> int:
+    """Seeds and epochs: ints in ``[0, 2**62)``, so ``seed + epoch`` is a valid generator seed."""
+    v = _int(name, value)
+    if v >= 1 << 62:
+        raise ValueError(f"{name} must be < 2**62, got {v}")
+    return v
 
 
 def _topology(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
@@ -72,6 +75,13 @@ def _topology(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]
     return rank, world_size
 
 
+class SamplerMismatchError(IncompatibleCheckpointError, ValueError):
+    """A saved :class:`ElasticSampler` state was drawn for another dataset length, seed, shuffle setting or torch
+    permutation than this sampler's: resuming it would lose and repeat samples. A ``ValueError`` and an
+    ``IncompatibleCheckpointError``, so ``Store.resume`` raises it on every rank instead of trying older steps
+    (which hold the same configuration) or starting fresh."""
+
+
 class ElasticSampler(Sampler[int]):
     """A sampler for one data-parallel rank whose checkpoint state is job-wide (equal on every rank).
 
@@ -86,7 +96,7 @@ class ElasticSampler(Sampler[int]):
         drop_last: what happens at the epoch's tail, when fewer than ``world_size * batch_size`` samples
             remain. False (default): they are split as evenly as possible (rank ``r`` gets ``R // world_size``
             samples, one more when ``r < R % world_size``); nothing is padded or repeated, so when ``R <
-            world_size`` the last ranks get none and run one step fewer (under DDP wrap the loop in
+            world_size`` the last ranks get none and run one step fewer (under DDP wrap each epoch's loop in
             ``torch.distributed.algorithms.Join``). True: they are skipped in this epoch, and every rank runs
             the same number of steps of exactly ``batch_size``.
 
@@ -118,7 +128,7 @@ class ElasticSampler(Sampler[int]):
             raise TypeError(f"shuffle must be a bool, got {type(shuffle).__name__}")
         if not isinstance(drop_last, bool):
             raise TypeError(f"drop_last must be a bool, got {type(drop_last).__name__}")
-        self.seed = _seed(seed)
+        self.seed = _below_2_62("seed", seed)
         self.shuffle, self.drop_last = shuffle, drop_last
         self.epoch = 0
         self.consumed = 0
@@ -140,7 +150,7 @@ class ElasticSampler(Sampler[int]):
     def order(self, epoch: Optional[int] = None) -> torch.Tensor:
         """The job's global order of ``epoch`` (default: the current one): an int64 tensor of shape ``(len,)``
         holding each dataset index once. Do not modify it."""
-        return self._perm(self.epoch if epoch is None else _int("epoch", epoch))[0]
+        return self._perm(self.epoch if epoch is None else _below_2_62("epoch", epoch))[0]
 
     # -- arithmetic of one step ---------------------------------------------------------------------------
     @property
@@ -224,7 +234,7 @@ class ElasticSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` (an int >= 0) at cursor 0; a no-op when ``epoch`` is the current one (so a resumed
         run continues its epoch where the checkpoint left it)."""
-        epoch = _int("epoch", epoch)
+        epoch = _below_2_62("epoch", epoch)
         if epoch != self.epoch:
             self.epoch, self.consumed = epoch, 0
 
@@ -242,22 +252,31 @@ class ElasticSampler(Sampler[int]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a saved :meth:`state_dict`, whatever world size and batch size saved it. Checked
         before anything changes: ``TypeError`` for a non-mapping or a wrongly typed field, ``ValueError``
-        naming the field for a missing / unknown field, a cursor out of ``[0, len]``, or a dataset length,
-        seed or shuffle setting other than this sampler's (any of these would change the order: samples lost
-        or repeated), or a permutation digest this torch build does not reproduce."""
+        naming the field for a missing / unknown field or a cursor out of ``[0, len]`` (``Store.resume`` then
+        tries an older step), :class:`SamplerMismatchError` (a ``ValueError``) naming the field for a dataset
+        length, seed or shuffle setting other than this sampler's, or a permutation digest this torch build does
+        not reproduce (each would change the order: samples lost or repeated; ``Store.resume`` raises it)."""
+        try:
+            epoch, consumed = self._checked(state)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"ElasticSampler state: {e}") from None
+        self.epoch, self.consumed = epoch, consumed
+
+    def _checked(self, state: Any) -> Tuple[int, int]:
+        """``(epoch, consumed)`` of a saved state, after every check of :meth:`load_state_dict`."""
         if not isinstance(state, Mapping):
-            raise TypeError(f"ElasticSampler state must be a mapping, got {type(state).__name__}")
+            raise TypeError(f"must be a mapping, got {type(state).__name__}")
         missing = [k for k in _STATE_KEYS if k not in state]
         unknown = sorted(str(k) for k in state if k not in _STATE_KEYS)
         if missing or unknown:
-            raise ValueError(f"ElasticSampler state: missing fields {missing}, unknown fields {unknown}")
+            raise ValueError(f"missing fields {missing}, unknown fields {unknown}")
         if _int("version", state["version"], 1) != STATE_VERSION:
-            raise ValueError(f"ElasticSampler state version {state['version']} is not supported (this library "
+            raise ValueError(f"version {state['version']} is not supported (this library "
                              f"reads version {STATE_VERSION})")
-        epoch = _int("epoch", state["epoch"])
+        epoch = _below_2_62("epoch", state["epoch"])
         consumed = _int("consumed", state["consumed"])
         n = _int("len", state["len"])
-        seed = _seed(state["seed"])
+        seed = _below_2_62("seed", state["seed"])
         _int("world_size", state["world_size"], 1)
         _int("batch_size", state["batch_size"], 1)
         if not isinstance(state["shuffle"], bool):
@@ -265,22 +284,23 @@ class ElasticSampler(Sampler[int]):
         if not isinstance(state["order"], str):
             raise TypeError(f"order must be a str, got {type(state['order']).__name__}")
         if n != self.len:
-            raise ValueError(f"len: the checkpoint's dataset has {n} samples, this sampler's {self.len}")
+            raise SamplerMismatchError(f"len: the checkpoint's dataset has {n} samples, this sampler's "
+                                       f"{self.len}")
         if consumed > n:
             raise ValueError(f"consumed: cursor {consumed} is past the dataset's {n} samples")
         if seed != self.seed:
-            raise ValueError(f"seed: the checkpoint's order was drawn with seed {seed}, this sampler's is "
-                             f"{self.seed}")
+            raise SamplerMismatchError(f"seed: the checkpoint's order was drawn with seed {seed}, this "
+                                       f"sampler's is {self.seed}")
         if state["shuffle"] != self.shuffle:
-            raise ValueError(f"shuffle: the checkpoint was saved with shuffle={state['shuffle']}, this sampler "
-                             f"has shuffle={self.shuffle}")
+            raise SamplerMismatchError(f"shuffle: the checkpoint was saved with shuffle={state['shuffle']}, "
+                                       f"this sampler has shuffle={self.shuffle}")
         _, digest = self._perm(epoch)
         if digest != state["order"]:
-            raise ValueError(f"order: the permutation of epoch {epoch} (seed {seed}, {n} samples) differs from the "
-                             f"saved one (digest {digest} != {state['order']}): this torch build draws another "
-                             "order, so resuming would lose and repeat samples")
+            raise SamplerMismatchError(f"order: the permutation of epoch {epoch} (seed {seed}, {n} samples) "
+                                       f"differs from the saved one (digest {digest} != {state['order']}): this "
+                                       "torch build draws another order, so resuming would lose and repeat samples")
         if (state["world_size"], state["batch_size"]) != (self.world_size, self.batch_size):
             log.info("ElasticSampler: resuming epoch %d at sample %d of %d, saved by world_size=%d batch_size=%d, "
                      "now world_size=%d batch_size=%d", epoch, consumed, n, state["world_size"],
                      state["batch_size"], self.world_size, self.batch_size)
-        self.epoch, self.consumed = epoch, consumed
+        return epoch, consumed

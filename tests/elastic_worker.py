@@ -4,11 +4,12 @@ tests/dist.py (``Job(..., script=WORKER)``); used by tests/test_elastic_data.py.
 It resumes from ``--store`` (whatever world size saved it), trains a linear model on a ``TensorDataset`` whose
 first column is the sample's index, saves every ``--save-every`` steps with the sampler in the state, and
 appends one line per trained batch to ``--logdir/<tag>-rank<r>.log``: ``<step> <epoch> <i>,<i>,...`` (written
-after the batch was trained on). ``--die-after k`` SIGKILLs every rank (with its DataLoader workers) right after step ``k`` (a crash after
-the last save: the lines of later steps belong to work the checkpoint does not hold). ``--join 1`` wraps each
-epoch in ``torch.distributed.algorithms.Join`` (DDP with uneven inputs: the tail of an epoch may give a rank no
-sample; needs DDP). Prints ``RESULT {...}``: the resumed step and cursor, and at each save how many indices the sampler's
-iterator had handed out beyond what this rank had trained on (the DataLoader's prefetching).
+after the batch was trained on). ``--die-after k`` SIGKILLs every rank (with its DataLoader workers) right
+after step ``k`` (a crash after the last save: the lines of later steps belong to work the checkpoint does not
+hold). ``--join 1`` wraps each epoch in ``torch.distributed.algorithms.Join`` (DDP with uneven inputs: the
+tail of an epoch may give a rank no sample; needs DDP). Prints ``RESULT {...}``: the resumed step and cursor,
+and at each save how many indices the sampler's iterator had handed out beyond what this rank had trained on
+(the DataLoader's prefetching).
 """
 import argparse
 import contextlib

@@ -1,10 +1,11 @@
 """ElasticSampler: resuming a data-parallel run at another world size mid-epoch consumes every remaining sample of
 the epoch exactly once.
 
-The multi-process tests run real data-parallel jobs on gloo (tests/elastic_worker.py, launched like torchrun): a job is
-SIGKILLed one step after a save (that step is work the checkpoint does not hold: the resumed run redoes it), then resumed by ``Store.resume`` at another world size. Every rank logs the indices
-of each batch it trained on; the epoch's indices over the saved part of the first run and the whole second run
-must be exactly ``range(n)``. The in-process tests check the sampler's own arithmetic and its state checks.
+The multi-process tests run real data-parallel jobs on gloo (tests/elastic_worker.py, launched like torchrun):
+a job is SIGKILLed one step after a save (that step is work the checkpoint does not hold: the resumed run redoes
+it), then resumed by ``Store.resume`` at another world size. Every rank logs the indices of each batch it
+trained on; the epoch's indices over the saved part of the first run and the whole second run must be exactly
+``range(n)``. The in-process tests check the sampler's own arithmetic and its state checks.
 """
 from collections import Counter
 from pathlib import Path
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptstore import ElasticSampler, Store
+from ckptstore import ElasticSampler, IncompatibleCheckpointError, Store
+from ckptstore.data import SamplerMismatchError
 
 from dist import Job
 
@@ -214,6 +216,25 @@ def test_state_round_trip_through_store(tmp_path):
     rest = list(t)
     assert rest == s.order(2)[12:].tolist()
     assert t.state_dict() == {**s.state_dict(), "batch_size": 5}
+    store.close()
+
+
+@pytest.mark.parametrize("kw,field", [({"data": 71}, "len"), ({"seed": 12}, "seed"), ({"shuffle": False}, "shuffle")])
+def test_resume_with_another_data_configuration_raises(tmp_path, kw, field):
+    """Another dataset length, seed or shuffle setting: Store.resume raises (older steps hold the same
+    configuration; a fresh start would silently drop the run's progress), naming the field; nothing loads."""
+    store = Store(tmp_path / "s")
+    for step in (1, 2):
+        s = ElasticSampler(N, batch_size=4, seed=11)
+        s.advance(step)
+        store.save({"sampler": s, "step": step}, step)
+    args = {"data": N, "seed": 11, **kw}
+    t = ElasticSampler(args.pop("data"), batch_size=4, **args)
+    state = {"sampler": t, "step": 0}
+    with pytest.raises(SamplerMismatchError, match=f"{field}: ") as e:
+        store.resume(state)
+    assert isinstance(e.value, IncompatibleCheckpointError) and isinstance(e.value, ValueError)
+    assert (t.consumed, state["step"]) == (0, 0)
     store.close()
 
 
