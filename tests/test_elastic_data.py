@@ -96,9 +96,14 @@ def test_elastic_resume_2_to_4_mid_epoch_prefetching_loader(tmp_path):
     assert got == ONE_PASS, (sorted((got - ONE_PASS).elements()), sorted((ONE_PASS - got).elements()))
     assert [len(log2[r][2][2]) for r in range(4)] == [4, 4, 3, 3]                     # the tail of epoch 0
     assert _epoch_indices(log2, epoch=1) == ONE_PASS                                 # rollover: a whole new pass
-    order0 = [i for step, e, idx in sorted(log1[0] + log1[1]) if e == 0 and step <= 1 for i in idx]
-    order1 = [i for step, e, idx in sorted(log2[0]) if e == 1 and step == 7 for i in idx]
-    assert order0 != order1[:8]                                                       # each epoch its own order
+    for r in range(4):             # epoch 1 exactly as the sampler's arithmetic assigns it: a new permutation
+        expect = ElasticSampler(N, batch_size=B, rank=r, world_size=4, seed=7)
+        expect.set_epoch(1)
+        got1 = [idx for _, e, idx in log2[r] if e == 1]
+        want = list(expect)
+        assert got1 == [want[i:i + B] for i in range(0, len(want), B)]
+    assert ElasticSampler(N, batch_size=B, seed=7).order(1).tolist() != list(range(N))
+    assert not torch.equal(expect.order(1), expect.order(0))
 
 
 # -- the sampler in one process -------------------------------------------------------------------------------
