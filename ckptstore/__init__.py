@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 
 from .errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError, UploadError  # noqa: E402
 from .commit import CommitError  # noqa: E402
+from .data import ElasticSampler  # noqa: E402
 from .options import Remote, Writing  # noqa: E402
 from .packs import Packing  # noqa: E402
 from .redact import install_log_filter  # noqa: E402
@@ -20,5 +21,5 @@ from .store import SaveResult, Store  # noqa: E402
 install_log_filter()              # no credential in any ckptstore log line
 
 __all__ = ["Store", "Remote", "Writing", "Packing", "Retention", "RetryPolicy", "RNGState", "SaveResult",
-           "CheckpointError", "CorruptCheckpointError", "IncompatibleCheckpointError", "UploadError", "CommitError",
-           "__version__"]
+           "ElasticSampler", "CheckpointError", "CorruptCheckpointError", "IncompatibleCheckpointError",
+           "UploadError", "CommitError", "__version__"]

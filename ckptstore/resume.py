@@ -147,7 +147,9 @@ def restore_into(state: MutableMapping[str, Any], loader, *, strict: bool,
     replaced, so a failed restore leaves plain entries as they were. DTensors in what a Stateful's
     ``state_dict()`` returns are filled in place (``loader.touched`` says whether any was).
 
-    Raises ``IncompatibleCheckpointError`` (keys), ``CorruptCheckpointError`` (a damaged chunk)."""
+    Raises ``IncompatibleCheckpointError`` (keys, or a Stateful's ``load_state_dict`` raised one: the step does
+    not fit this run's configuration, and no older step would), ``CorruptCheckpointError`` (a damaged chunk, or
+    a Stateful refused the values with another exception: resume then tries an older step)."""
     step = loader.commit.step
     saved_keys = loader.saved_keys()
     if components is not None:
@@ -177,6 +179,8 @@ def restore_into(state: MutableMapping[str, Any], loader, *, strict: bool,
         if is_stateful(state[key]):
             try:
                 state[key].load_state_dict(loaded[key])
+            except IncompatibleCheckpointError:
+                raise       # the Stateful says the checkpoint does not fit this run (an older step will not either)
             except Exception as e:
                 # the values passed every check above and the Stateful still refused them: this step is not
                 # usable for it (resume tries an older one), never an exception escaping resume

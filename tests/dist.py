@@ -1,5 +1,6 @@
-"""Launch ``tests/dist_worker.py`` as N ranks, the way torchrun does (RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR=127.0.0.1, MASTER_PORT), each rank in a session of its own; collect their ``RESULT`` lines."""
+"""Launch ``tests/dist_worker.py`` (or another ``script``) as N ranks, the way torchrun does (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT), each rank in a session of its own; collect their ``RESULT``
+lines."""
 from __future__ import annotations
 
 import json
@@ -25,7 +26,7 @@ def free_port() -> int:
 class Job:
     """N ranks of the worker. ``wait()`` -> rank -> its ``RESULT`` dict (``None`` if it printed none)."""
 
-    def __init__(self, world: int, *args: str, env: Optional[Dict[str, str]] = None):
+    def __init__(self, world: int, *args: str, env: Optional[Dict[str, str]] = None, script: Path = WORKER):
         port = free_port()
         self.procs: List[subprocess.Popen] = []
         base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
@@ -34,7 +35,7 @@ class Job:
                     **(env or {}))
         for r in range(world):
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-u", str(WORKER), *args], env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
+                [sys.executable, "-u", str(script), *args], env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                 cwd=str(REPO)))
 
