@@ -295,7 +295,7 @@ class Loader:
             pulled.add(step)
             tier = "remote"
         try:
-            self._restore(state, p.catalog, p.blobs, step, **load)
+            commit = self._restore(state, p.catalog, p.blobs, step, **load)
         except CorruptCheckpointError as e:
             if remote_catalog is None or step in pulled or not quiet(lambda: remote_catalog.is_committed(step)):
                 raise
@@ -306,19 +306,16 @@ class Loader:
                 log.warning("local step %d is damaged (%s): repairing it from %s", step, e, p.remote_storage.url)
                 self.pull(step)
                 catalog, blobs = p.catalog, p.blobs
-            self._restore(state, catalog, blobs, step, **load)
+            commit = self._restore(state, catalog, blobs, step, **load)
             tier = "remote"
-        try:          # this run's id is the one the resumed step's commit marker records (every rank reads it)
-            p.adopt_run_id(p.catalog.read_commit(step).run_id)
-        except CheckpointError:
-            pass
+        p.adopt_run_id(commit.run_id)  # this run's id is the one the resumed step's commit marker records
         return tier
 
     def _restore(self, state, catalog, blobs, step, *, strict, check_config, components=None,
-                 rank_local: str = "error", commit: Optional[Commit] = None) -> None:
+                 rank_local: str = "error", commit: Optional[Commit] = None) -> Commit:
         """Load ``step`` from ``catalog`` / ``blobs`` into ``state`` (:func:`ckptstore.resume.restore_into`),
-        checking the run config first; ``commit``: its marker, when the caller read it already. Raises
-        Corrupt/IncompatibleCheckpointError."""
+        checking the run config first; ``commit``: its marker, when the caller read it already (else read once
+        here). Returns the marker. Raises Corrupt/IncompatibleCheckpointError."""
         p = self.p
         commit = commit if commit is not None else catalog.read_commit(step)
         if check_config:
@@ -333,6 +330,7 @@ class Loader:
         finally:
             self._touched = self._touched or loader.touched
             self._manifests_read = loader.manifests_read
+        return commit
 
     # -- load_path ----------------------------------------------------------------------------------------------
     def _resume_from_load_path(self, state, strict) -> Optional[int]:
