@@ -160,13 +160,21 @@ def agree_commit(coord: Coordinator, tag: str, step: int, part: Dict[str, Any], 
                     fold.fail(0, f"writing the commit marker: {type(e).__name__}: {e}")
         else:
             coord.decide(tag, "abort:0")
-        if not fold.nfail:
-            for r in fold.leaders():                # before the verdict: a leader looks once it has it
-                coord.send_to(f"{tag}/lead", r, {"commit": marker, **extra})
         listed = sorted(fold.failures.items(), key=lambda kv: str(kv[0]))[:MAX_LISTED]
         verdict = {"committed": not fold.nfail, "failures": {str(k): v[:MAX_ERROR] for k, v in listed},
                    "more": max(0, fold.nfail - len(listed)), "run_id": run_id}
-        coord.broadcast(f"{tag}/verdict", verdict, timeout, drop=[f"{tag}/decision"])
+        try:
+            if not fold.nfail:
+                for r in fold.leaders():            # before the verdict: a leader looks once it has it
+                    coord.send_to(f"{tag}/lead", r, {"commit": marker, **extra})
+            coord.broadcast(f"{tag}/verdict", verdict, timeout, drop=[f"{tag}/decision"])
+        except Exception as e:
+            if fold.nfail:
+                raise
+            # the marker is written: the step IS committed and rank 0 must not report otherwise; the other
+            # ranks, without a verdict, wait and then raise (the key-value store is gone)
+            log.error("step %d is committed, but telling the other ranks failed: %s: %s", step,
+                      type(e).__name__, e)
     else:
         coord.gather(f"{tag}/parts", part, timeout)
         verdict = _await_verdict(coord, tag, timeout)
