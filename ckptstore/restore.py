@@ -123,8 +123,9 @@ class StepLoader:
     """One committed step, read for ``rank`` of a run of ``world_size`` (see the module docstring)."""
 
     def __init__(self, catalog, blobs, commit: Commit, *, rank: int, world_size: int, executor: Executor,
-                 read_nodes: Callable[..., List[Node]]):
+                 read_nodes: Callable[..., List[Node]], share=None):
         self.catalog, self.blobs, self.commit = catalog, blobs, commit
+        self.share = share                          # a fanout.Session: plain chunks every rank needs, read once
         self.rank, self.world_size, self.executor = rank, world_size, executor
         self._read_nodes = read_nodes
         self.same_world = commit.world_size == world_size
@@ -302,7 +303,8 @@ class StepLoader:
             else:
                 keep.append(n)
         plain = Manifest(step=step, rank=base.rank, world_size=base.world_size, stateful=base.stateful, nodes=keep)
-        nodes = self._read_nodes(self.blobs, plain, map_location=map_location)     # all verified, none applied
+        extra = {"share": self.share} if self.share is not None else {}
+        nodes = self._read_nodes(self.blobs, plain, map_location=map_location, **extra)  # verified, none applied
         if sharded:
             reader = SpanReader(self.blobs, self.executor, step)
             self._futures, self._packed = [], []
