@@ -25,7 +25,7 @@ def free_port() -> int:
 class Job:
     """N ranks of the worker. ``wait()`` -> rank -> its ``RESULT`` dict (``None`` if it printed none)."""
 
-    def __init__(self, world: int, *args: str, env: Optional[Dict[str, str]] = None):
+    def __init__(self, world: int, *args: str, env: Optional[Dict[str, str]] = None, worker: Path = WORKER):
         port = free_port()
         self.procs: List[subprocess.Popen] = []
         base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
@@ -34,7 +34,7 @@ class Job:
                     **(env or {}))
         for r in range(world):
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-u", str(WORKER), *args], env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
+                [sys.executable, "-u", str(worker), *args], env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                 cwd=str(REPO)))
 
