@@ -15,6 +15,11 @@
   shards do not cover its targets (a changed world size or mesh), and then only those the step's shard map
   (:mod:`ckptstore.shardmap`) names as overlapping, plus rank 0's.
 
+Under ``torch.distributed`` (at resume), the chunks of plain values that every rank needs (replicated keys, the
+identical tensors of data-parallel replicas, every plain value after a world-size change) are read by one rank
+each and broadcast to the others (:mod:`ckptstore.fanout`, through ``share``); sharded values are read by
+each rank as above.
+
 In-place fills are the one exception to "apply nothing before everything is verified" (the price of not
 holding a second copy of the model): a damaged chunk found halfway leaves some DTensor targets filled from the
 step being read, and the caller must then load another step into them (resume falls back to an older step;

@@ -93,10 +93,15 @@ def main():
     ap.add_argument("--threshold", type=int, default=None, help="Packing threshold (0: every chunk a blob)")
     ap.add_argument("--dim", type=int, default=0, help="extra square weight of this size (benchmarks)")
     ap.add_argument("--compare", type=int, default=0, help="load: resume once as before, then reading once")
+    ap.add_argument("--chunk-mib", type=int, default=0, help="Writing.chunk_size in MiB (benchmarks)")
+    ap.add_argument("--read-only", type=int, default=0, help="load: Store(read_only=True): read the remote")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    writing = Writing(packing=Packing(threshold=args.threshold)) if args.threshold is not None else None
+    wkw = {"packing": Packing(threshold=args.threshold)} if args.threshold is not None else {}
+    if args.chunk_mib:
+        wkw["chunk_size"] = args.chunk_mib << 20
+    writing = Writing(**wkw)
     remote = Remote(args.remote, upload=args.mode == "save") if args.remote else None
 
     def fresh():
@@ -107,7 +112,8 @@ def main():
         model = nn.parallel.DistributedDataParallel(model)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
         store = Store(args.store.replace("{rank}", str(rank)), writing=writing, remote=remote,
-                      storage_options=json.loads(args.so), collective_timeout=60)
+                      storage_options=json.loads(args.so), collective_timeout=60,
+                      read_only=bool(args.read_only))
         return model, optim, store, {"app": App(model, optim), "step": 0}
 
     out = {"rank": rank}
