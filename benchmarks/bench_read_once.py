@@ -77,7 +77,9 @@ def main(argv=None):
                 for label in ("before", "after"):
                     got = [res[r][label] for r in sorted(res)]
                     assert len({g["digest"] for g in got}) == 1 and {g["step"] for g in got} == {1}, got
-                    rows.append((backend, world, label, [g["read"] for g in got], max(g["seconds"] for g in got)))
+                    group = max((g["resumed_from"].get("read_once") or {}).get("group_seconds", 0) for g in got)
+                    rows.append((backend, world, label, [g["read"] for g in got], max(g["seconds"] for g in got),
+                                 group))
     finally:
         if server is not None:
             server.stop()
@@ -85,10 +87,11 @@ def main(argv=None):
             shutil.rmtree(work, ignore_errors=True)
     print(f"\nstate ~{args.mib} MiB (DDP + AdamW, fp32), chunk {args.chunk_mib} MiB, "
           f"{'replicated' if args.replicated else 'every rank saves the same tensors'}")
-    print(f"{'backend':8} {'ranks':>5} {'':7} {'MiB read per rank':40} {'job total':>10} {'resume s':>9}")
-    for backend, world, label, reads, secs in rows:
+    print(f"{'backend':8} {'ranks':>5} {'':7} {'MiB read per rank':40} {'job total':>10} {'resume s':>9} "
+          f"{'of which gloo group':>20}")
+    for backend, world, label, reads, secs, group in rows:
         per = " ".join(f"{r / MiB:7.1f}" for r in reads)
-        print(f"{backend:8} {world:5d} {label:7} {per:40} {sum(reads) / MiB:10.1f} {secs:9.3f}")
+        print(f"{backend:8} {world:5d} {label:7} {per:40} {sum(reads) / MiB:10.1f} {secs:9.3f} {group:20.3f}")
 
 
 if __name__ == "__main__":

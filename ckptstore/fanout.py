@@ -43,6 +43,7 @@ import datetime
 import json
 import logging
 import os
+import time
 from concurrent.futures import Executor
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -82,18 +83,22 @@ def enabled(rank: int, world_size: int) -> bool:
 
 class ReadOnce:
     """One store's read-once transport: its gloo group (made on first use) and the statistics of the last
-    session. ``stats``: ``{"shared_bytes", "read_bytes", "received_bytes", "shared_chunks"}`` of the last
-    attempt that shared anything (bytes are raw chunk bytes)."""
+    session. ``stats``: ``{"shared_bytes", "read_bytes", "received_bytes", "shared_chunks", "group_seconds"}``
+    of the last attempt that shared anything (bytes are raw chunk bytes; ``group_seconds``: the time spent
+    making the gloo group, once per store, else 0)."""
 
     def __init__(self, rank: int, world_size: int, timeout: float):
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self._group = None
-        self.stats: Optional[Dict[str, int]] = None
+        self.stats: Optional[Dict[str, Any]] = None
+        self.group_seconds = 0.0
 
     def group(self):
         if self._group is None:
             import torch.distributed as dist
+            t0 = time.perf_counter()
             self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
+            self.group_seconds = time.perf_counter() - t0
         return self._group
 
     @contextlib.contextmanager
@@ -304,7 +309,9 @@ class Session:
         for k, out in self._copies:
             out[:] = self._primary[k][0]
         self.o.stats = {"shared_bytes": sum(nb for _, nb in self._order), "read_bytes": read,
-                        "received_bytes": received, "shared_chunks": len(self._order)}
+                        "received_bytes": received, "shared_chunks": len(self._order),
+                        "group_seconds": round(self.o.group_seconds, 4)}
+        self.o.group_seconds = 0.0
 
     def _check(self, k) -> None:
         out, key = self._primary[k]

@@ -58,8 +58,19 @@ class Net(nn.Module):
         self.b = nn.Linear(96, 64)
         self.c = nn.Linear(64, 8)
 
+    def add_big(self, dim: int):
+        """A ``dim`` x ``dim`` weight (benchmarks: a larger state) that takes part in the loss, so DDP reduces
+        its gradient and AdamW keeps both moments for it (non-repeating bytes)."""
+        g = torch.Generator().manual_seed(1)
+        self.big = nn.Linear(dim, dim, bias=False)
+        self.register_buffer("z", torch.randn(4, dim, generator=g))
+        self.register_buffer("w", torch.randn(4, dim, generator=g))
+
     def forward(self, x):
-        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+        out = self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+        if hasattr(self, "big"):
+            out = out + 1e-3 * (self.big(self.z) * self.w).sum()
+        return out
 
 
 class App:
@@ -108,7 +119,7 @@ def main():
         torch.manual_seed(0)
         model = Net()
         if args.dim:
-            model.big = nn.Linear(args.dim, args.dim, bias=False)
+            model.add_big(args.dim)
         model = nn.parallel.DistributedDataParallel(model)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
         store = Store(args.store.replace("{rank}", str(rank)), writing=writing, remote=remote,
