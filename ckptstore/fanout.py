@@ -32,9 +32,14 @@ beside NCCL and never interleaves with the training's collectives. Extra memory:
 
 Every rank takes part exactly once per resume attempt (:meth:`ReadOnce.session`): a rank that fails before it
 reads anything (a missing manifest, keys that do not match) still joins the first all-reduce with its error,
-so no rank waits for one that is not coming. Turned on automatically when ``torch.distributed`` is
-initialised with the store's rank and world size (> 1); ``CKPTSTORE_READ_ONCE=0`` turns it off (every rank
-reads what it needs itself, as before).
+so no rank waits for one that is not coming.
+
+When: automatically when ``torch.distributed`` is initialised with the store's rank and world size (> 1) and
+the step is read from an object store or a shared / network filesystem (:func:`worth_it`; every rank must
+agree, else all read for themselves). Not from a node's own disk (ext4, xfs, ...): the ranks of one node
+reading the same files are served by one page cache there, and a broadcast only costs time (measured hot:
+0.44 s -> 0.96 s for 192 MiB at 2 ranks; benchmarks/bench_read_once.py). ``CKPTSTORE_READ_ONCE=1`` turns it
+on for any storage, ``=0`` off for all (every rank reads what it needs itself, as before).
 """
 from __future__ import annotations
 
@@ -71,9 +76,33 @@ class PeerReadError(CorruptCheckpointError):
         self.rank, self.origin = rank, origin
 
 
+#: filesystems of a node's own disks: ranks of one node reading the same files there are served by one page
+#: cache (the disk is read once), and ranks of other nodes read their own disks; a broadcast over the network
+#: only costs time there (measured: benchmarks/bench_read_once.py)
+LOCAL_DISKS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "jfs", "reiserfs", "nilfs2", "zfs",
+                         "bcachefs", "overlay", "tmpfs", "ramfs"})
+
+
+def worth_it(storage) -> bool:
+    """Whether reading through ``storage`` gains from read-once: an object store (every replica's GET costs
+    the bucket's bandwidth and requests) or a shared / network filesystem (NFS, Lustre, GPFS, a FUSE mount:
+    any type not in :data:`LOCAL_DISKS`); not a node's own disk. ``CKPTSTORE_READ_ONCE=1`` says yes anywhere."""
+    if os.environ.get("CKPTSTORE_READ_ONCE", "auto") == "1":
+        return True
+    try:
+        root = storage.local_path("")
+    except (OSError, ValueError):
+        return False
+    if root is None:
+        return True
+    from .storage.local import filesystem_type
+    fstype = filesystem_type(root)
+    return fstype is not None and fstype not in LOCAL_DISKS
+
+
 def enabled(rank: int, world_size: int) -> bool:
-    """Whether read-once applies: ``torch.distributed`` initialised with this rank and world size (> 1), and not
-    turned off by ``CKPTSTORE_READ_ONCE=0``."""
+    """Whether read-once may apply: ``torch.distributed`` initialised with this rank and world size (> 1), and
+    not turned off by ``CKPTSTORE_READ_ONCE=0``."""
     if world_size < 2 or os.environ.get("CKPTSTORE_READ_ONCE", "1") == "0":
         return False
     import torch.distributed as dist
@@ -129,6 +158,7 @@ class Session:
         self.o = owner
         self.rank, self.world = owner.rank, owner.world_size
         self.used = False
+        self.wanted = True
         self.step: Optional[int] = None
         self._owner: Dict[Tuple[str, int], int] = {}        # shared chunk -> reading rank
         self._order: List[Tuple[str, int]] = []               # shared chunks in broadcast order
@@ -148,11 +178,13 @@ class Session:
             g = self.o.group()
             dist.broadcast(t, src=dist.get_global_rank(g, src), group=g)
 
-    def _agree(self, error: Optional[BaseException]) -> Optional[BaseException]:
-        """All-reduce the lowest failing rank; when there is one, it broadcasts its error and every rank
-        returns the error to raise (the failing rank its own)."""
-        first = int(self._all_min(torch.tensor([self.rank if error is not None else self.world],
-                                               dtype=torch.int64))[0])
+    def _agree(self, error: Optional[BaseException], want: bool = True) -> Optional[BaseException]:
+        """All-reduce the lowest failing rank (and whether every rank wants read-once: ``self.wanted``); when
+        some rank failed, it broadcasts its error and every rank returns the error to raise (the failing rank
+        its own)."""
+        got = self._all_min(torch.tensor([self.rank if error is not None else self.world, int(want)],
+                                         dtype=torch.int64))
+        first, self.wanted = int(got[0]), bool(got[1])
         if first >= self.world:
             return None
         buf = torch.zeros(_ERROR_BYTES, dtype=torch.uint8)
@@ -202,10 +234,11 @@ class Session:
         self._order = sorted(shared, key=lambda k: self._owner[k])      # stable: runs keep their order
 
     # -- the reader's interface ------------------------------------------------------------------------------
-    def begin(self, step: int, nodes: Sequence[Any], executor: Executor) -> Optional["Session"]:
-        """Agree on the plan for the manifest nodes ``nodes`` (those about to be read) of ``step``. Returns
-        ``self``, or ``None`` when this session was used already (a second read in the same attempt reads
-        everything itself). Raises the agreed error when a rank failed before reading."""
+    def begin(self, step: int, nodes: Sequence[Any], executor: Executor, storage) -> Optional["Session"]:
+        """Agree on the plan for the manifest nodes ``nodes`` (those about to be read through ``storage``) of
+        ``step``. Returns ``self``, or ``None`` when each rank is to read all it needs itself: this session was
+        used already (a second read in the same attempt), or some rank's storage is not :func:`worth_it`.
+        Raises the agreed error when a rank failed before reading."""
         if self.used:
             return None
         self.used, self.step, self._executor = True, step, executor
@@ -218,9 +251,11 @@ class Session:
                 if k not in seen and len(c.blob_id) == 64:
                     seen.add(k)
                     needs.append((c.blob_id, c.nbytes, (c.pack or "", c.offset or 0, len(needs))))
-        agreed = self._agree(None)
+        agreed = self._agree(None, worth_it(storage))
         if agreed is not None:
             raise agreed
+        if not self.wanted:
+            return None
         self._plan(needs)
         return self
 
@@ -229,7 +264,7 @@ class Session:
         nothing). Raises nothing of the exchange's: the attempt's own outcome stands (resume's agreement on
         outcomes tells every rank about the others')."""
         self.used = True
-        if self._agree(error) is not None:
+        if self._agree(error) is not None or not self.wanted:
             return
         self._plan([])
         try:

@@ -34,7 +34,7 @@ def read_nodes(blobs: BlobStore, manifest: Manifest, *, executor: Executor, map_
     Raises ``CorruptCheckpointError`` naming the step, the key and the blob of the first bad chunk.
     """
     chosen = [m for m in manifest.nodes if select is None or not m.path or select(m.path)]
-    share = share.begin(manifest.step, chosen, executor) if share is not None else None
+    share = share.begin(manifest.step, chosen, executor, blobs.storage) if share is not None else None
     if share is None:
         nodes = _read(blobs, manifest, chosen, executor, None)
     else:

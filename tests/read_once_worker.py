@@ -3,7 +3,8 @@ reports how many bytes of chunk data (``objects/`` and ``packs/``) it read from 
 
 Modes (``--mode``):
   save   train ``--steps`` steps, saving every step (``--replicated``: keys saved by rank 0 only).
-  load   resume into a fresh model/optimizer (``--compare 1``: first with read-once off, then on).
+  load   resume into a fresh model/optimizer, once per ``--phases`` entry: ``before`` (read-once off), ``after``
+         (on), ``auto`` (ckptstore's choice), each into fresh objects through a new Store.
 Both print ``RESULT {...}`` with the state's digest (model and optimizer tensors, bit for bit), the step, and
 for ``load`` the chunk bytes this rank read (counted at the storage layer: every read of a blob or a pack
 range through LocalStorage / FsspecStorage), the warnings resume logged, and ``resumed_from``.
@@ -103,7 +104,9 @@ def main():
     ap.add_argument("--replicated", default="")
     ap.add_argument("--threshold", type=int, default=None, help="Packing threshold (0: every chunk a blob)")
     ap.add_argument("--dim", type=int, default=0, help="extra square weight of this size (benchmarks)")
-    ap.add_argument("--compare", type=int, default=0, help="load: resume once as before, then reading once")
+    ap.add_argument("--phases", default="after",
+                    help="load: comma-separated resumes, in order: before (CKPTSTORE_READ_ONCE=0), after (=1), "
+                         "auto (unset: ckptstore decides)")
     ap.add_argument("--chunk-mib", type=int, default=0, help="Writing.chunk_size in MiB (benchmarks)")
     ap.add_argument("--read-only", type=int, default=0, help="load: Store(read_only=True): read the remote")
     args = ap.parse_args()
@@ -152,9 +155,10 @@ def main():
             def emit(self, record):
                 warnings.append(record.getMessage())
         logging.getLogger("ckptstore").addHandler(Keep(logging.WARNING))
-        # --compare: first as before (every rank reads all it needs), then reading each byte once
-        for label in (["before"] if args.compare else []) + ["after"]:
-            os.environ["CKPTSTORE_READ_ONCE"] = "0" if label == "before" else "1"
+        for label in args.phases.split(","):
+            os.environ.pop("CKPTSTORE_READ_ONCE", None)
+            if label != "auto":
+                os.environ["CKPTSTORE_READ_ONCE"] = {"before": "0", "after": "1"}[label]
             model, optim, store, state = fresh()
             COUNT["bytes"], COUNT["paths"] = 0, {}
             warnings.clear()
