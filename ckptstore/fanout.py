@@ -377,7 +377,7 @@ def _pieces(order: List[Tuple[str, int]], owner: Dict[Tuple[str, int], int]):
 
 
 def _describe(e: BaseException) -> Dict[str, Any]:
-    return {"class": type(e).__name__, "message": str(e) if isinstance(e, CheckpointError) else
-            f"{type(e).__name__}: {e}", "step": getattr(e, "step", None), "key": getattr(e, "key", None),
-            "blob": getattr(e, "blob", None)}
+    msg = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+    return {"class": type(e).__name__, "message": msg[:4000], "step": getattr(e, "step", None),
+            "key": str(getattr(e, "key", None) or "")[:1000] or None, "blob": getattr(e, "blob", None)}
 
