@@ -49,11 +49,11 @@ def unique_chunk_bytes(root, step: int, storage_options=None) -> int:
 
 
 @pytest.fixture(scope="module")
-def replicated3(tmp_path_factory):
-    """3-rank DDP, ``save(replicated=["app"])`` (the DDP recipe: rank 0 alone holds model and optimizer), default
+def replicated2(tmp_path_factory):
+    """2-rank DDP, ``save(replicated=["app"])`` (the DDP recipe: rank 0 alone holds model and optimizer), default
     packing, steps 1 and 2; the saved digests."""
-    root = tmp_path_factory.mktemp("rep3") / "store"
-    res = run(3, "--mode", "save", "--store", str(root), "--replicated", "app")
+    root = tmp_path_factory.mktemp("rep2") / "store"
+    res = run(2, "--mode", "save", "--store", str(root), "--replicated", "app")
     assert len({r["digests"]["2"] for r in res.values()}) == 1
     return root, res[0]["digests"]
 
@@ -101,20 +101,20 @@ def check_auto_on_local_disk(res, root: Path):
         assert "read_once" not in res[r]["auto"]["resumed_from"]
 
 
-def test_replicated_keys_are_read_once_by_the_job(replicated3):
+def test_replicated_keys_are_read_once_by_the_job(replicated2):
     """save(replicated=[...]): every rank used to read rank 0's chunks; now each chunk is read by one rank."""
-    root, digests = replicated3
-    res = run(3, "--mode", "load", "--store", str(root), "--phases", "before,after,auto")
-    check_read_once(res, digests, unique_chunk_bytes(root, 2), 3)
+    root, digests = replicated2
+    res = run(2, "--mode", "load", "--store", str(root), "--phases", "before,after,auto")
+    check_read_once(res, digests, unique_chunk_bytes(root, 2), 2)
     check_auto_on_local_disk(res, root)
 
 
 @pytest.mark.slow
-def test_a_world_size_change_reads_rank_0s_values_once(replicated3):
-    """3 ranks saved, 2 resume: every rank reads rank 0's plain values; now once for the job."""
-    root, digests = replicated3
-    res = run(2, "--mode", "load", "--store", str(root), "--phases", "before,after,auto")
-    check_read_once(res, digests, unique_chunk_bytes(root, 2), 2)
+def test_a_world_size_change_reads_rank_0s_values_once(replicated2):
+    """2 ranks saved, 3 resume: every rank reads rank 0's plain values; now once for the job, in 3 uneven runs."""
+    root, digests = replicated2
+    res = run(3, "--mode", "load", "--store", str(root), "--phases", "before,after,auto")
+    check_read_once(res, digests, unique_chunk_bytes(root, 2), 3)
     check_auto_on_local_disk(res, root)
 
 
@@ -176,3 +176,19 @@ def test_a_damaged_chunk_read_by_one_rank_sends_every_rank_to_the_older_step(pla
         assert "cannot resume from step 2" in warned and only2[0] in warned, warned
         if r != owner:                                              # the owner's error reached the others
             assert f"rank {owner} could not read its share" in warned, warned
+
+
+def test_a_rank_that_fails_before_reading_still_joins_and_every_rank_falls_back(plain2, tmp_path):
+    """Rank 1's manifest of step 2 is gone: rank 1 fails before it reads anything, yet takes part in the
+    exchange with its error (nobody waits for it), and both ranks resume step 1 together, bit for bit."""
+    src, digests = plain2
+    root = tmp_path / "store"
+    shutil.copytree(src, root)
+    gone = list((root / "steps").glob("*2/manifest-rank00001*"))
+    assert len(gone) == 1, list((root / "steps").rglob("*"))
+    gone[0].unlink()
+    res = run(2, "--mode", "load", "--store", str(root))
+    got = [res[r]["after"] for r in sorted(res)]
+    assert [g["step"] for g in got] == [1, 1]
+    assert {g["digest"] for g in got} == {digests["1"]}
+    assert "rank 1 could not read its share" in " ".join(got[0]["warnings"]), got[0]["warnings"]
