@@ -17,6 +17,7 @@ from . import retention as _retention
 from .blobs import BlobStore
 from .catalog import Catalog
 from .errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
+from .fanout import PeerReadError, ReadOnce
 from .layout import check_step, manifest_path
 from .manifest import Commit
 from .parts import Parts, quiet
@@ -50,6 +51,7 @@ class Loader:
         self.resumed_from: Optional[Dict[str, Any]] = None
         self._manifests_read = 0
         self._touched = False                       # DTensor targets written in place by a resume attempt
+        self.read_once = ReadOnce(parts.rank, parts.world_size, parts.collective_timeout)
 
     # -- listing and choosing -----------------------------------------------------------------------------
     def remote_reader(self) -> Tuple[Catalog, BlobStore]:
@@ -244,6 +246,7 @@ class Loader:
         p = self.p
         self.resumed_from = None
         self._touched = False
+        self.read_once.stats = None
         remote_catalog = Catalog(p.remote_storage, p.decoded) if p.remote_storage is not None else None
         pulled: set = set()
 
@@ -258,7 +261,9 @@ class Loader:
             return listed
 
         def attempt(s, tier):
-            return self._resume_step(state, s, tier, remote_catalog, pulled, strict, rank_local, keys)
+            with self.read_once.session() as share:      # every rank takes part once per attempt
+                return self._resume_step(state, s, tier, remote_catalog, pulled, strict, rank_local, keys,
+                                         share=share)
         found = first_valid_step(list_candidates, attempt, coord=p.coord, timeout=p.collective_timeout,
                                  tag=p.coord.next_tag("resume") if p.coord is not None else None,
                                  substitute=step is None)
@@ -268,14 +273,18 @@ class Loader:
                                  p.remote_storage.url, "manifests_read": self._manifests_read}
             if keys is not None:
                 self.resumed_from["keys"] = list(keys)
+            if self.read_once.stats is not None:
+                self.resumed_from["read_once"] = dict(self.read_once.stats)
             log.info("restored step %d (%s)%s", s, tier, f", keys {list(keys)}" if keys is not None else "")
         return found
 
-    def _resume_step(self, state, step, tier, remote_catalog, pulled, strict, rank_local, keys=None) -> str:
+    def _resume_step(self, state, step, tier, remote_catalog, pulled, strict, rank_local, keys=None,
+                     share=None) -> str:
         """Load ``step`` into ``state`` for this rank: pull it first when this root lacks it, repair it from
-        the remote when the local copy is damaged. Returns the tier it came from; raises CheckpointError."""
+        the remote when the local copy is damaged. ``share``: the attempt's read-once session
+        (:mod:`ckptstore.fanout`). Returns the tier it came from; raises CheckpointError."""
         p = self.p
-        load = dict(strict=strict, check_config=True, rank_local=rank_local, components=keys)
+        load = dict(strict=strict, check_config=True, rank_local=rank_local, components=keys, share=share)
         if not p.catalog.is_committed(step):
             if remote_catalog is None:
                 raise CorruptCheckpointError("not committed in this rank's root and no remote to pull from",
@@ -299,20 +308,29 @@ class Loader:
         except CorruptCheckpointError as e:
             if remote_catalog is None or step in pulled or not quiet(lambda: remote_catalog.is_committed(step)):
                 raise
-            if p.read_only:
-                log.warning("local step %d is damaged (%s): reading it from %s", step, e, p.remote_storage.url)
-                catalog, blobs = self.remote_reader()
+            if isinstance(e, PeerReadError):
+                if e.origin != "CorruptCheckpointError":
+                    raise
+                # another rank's copy is damaged and it repairs it from the remote: this rank's copy is
+                # fine, read it here (the session is spent: every chunk read by this rank itself)
+                commit = self._restore(state, p.catalog, p.blobs, step, **load)
             else:
-                log.warning("local step %d is damaged (%s): repairing it from %s", step, e, p.remote_storage.url)
-                self.pull(step)
-                catalog, blobs = p.catalog, p.blobs
-            commit = self._restore(state, catalog, blobs, step, **load)
-            tier = "remote"
+                if p.read_only:
+                    log.warning("local step %d is damaged (%s): reading it from %s", step, e,
+                                p.remote_storage.url)
+                    catalog, blobs = self.remote_reader()
+                else:
+                    log.warning("local step %d is damaged (%s): repairing it from %s", step, e,
+                                p.remote_storage.url)
+                    self.pull(step)
+                    catalog, blobs = p.catalog, p.blobs
+                commit = self._restore(state, catalog, blobs, step, **load)
+                tier = "remote"
         p.adopt_run_id(commit.run_id)  # this run's id is the one the resumed step's commit marker records
         return tier
 
     def _restore(self, state, catalog, blobs, step, *, strict, check_config, components=None,
-                 rank_local: str = "error", commit: Optional[Commit] = None) -> Commit:
+                 rank_local: str = "error", commit: Optional[Commit] = None, share=None) -> Commit:
         """Load ``step`` from ``catalog`` / ``blobs`` into ``state`` (:func:`ckptstore.resume.restore_into`),
         checking the run config first; ``commit``: its marker, when the caller read it already (else read once
         here). Returns the marker. Raises Corrupt/IncompatibleCheckpointError."""
@@ -324,7 +342,7 @@ class Loader:
                 raise IncompatibleCheckpointError("run config differs from the checkpoint's", step=step,
                                                   differing=diffs)
         loader = StepLoader(catalog, blobs, commit, rank=p.rank, world_size=p.world_size,
-                            executor=p.pool, read_nodes=self._read_nodes)
+                            executor=p.pool, read_nodes=self._read_nodes, share=share)
         try:
             restore_into(state, loader, strict=strict, components=components, rank_local=rank_local)
         finally:

@@ -23,18 +23,39 @@ MapLocation = Union[None, str, torch.device, Callable[[torch.Tensor, str], torch
 
 
 def read_nodes(blobs: BlobStore, manifest: Manifest, *, executor: Executor, map_location: MapLocation = "cpu",
-               select: Optional[Callable[[tuple], bool]] = None) -> List[Node]:
+               select: Optional[Callable[[tuple], bool]] = None, share=None) -> List[Node]:
     """Load a manifest into :class:`ckptstore.state.Node` records holding real values.
 
     ``map_location``: ``"cpu"`` (default), a device, ``None`` (each tensor to the device it was saved from
     when that device exists here, else CPU), or a callable ``(tensor, saved_device) -> tensor``.
     ``select(path) -> bool`` limits loading to some key paths (their containers are kept).
+    ``share``: a :class:`ckptstore.fanout.Session` (a rank of a job at resume): chunks every rank needs are read
+    by one rank and received by the others (collective: every rank of the job calls this for the step).
     Raises ``CorruptCheckpointError`` naming the step, the key and the blob of the first bad chunk.
     """
+    chosen = [m for m in manifest.nodes if select is None or not m.path or select(m.path)]
+    share = share.begin(manifest.step, chosen, executor, blobs.storage) if share is not None else None
+    if share is None:
+        nodes = _read(blobs, manifest, chosen, executor, None)
+    else:
+        try:
+            nodes = _read(blobs, manifest, chosen, executor, share)
+        except Exception as e:
+            raise share.fail(e)
+        share.finish()                    # the others' shares arrive, verified
+    for node in nodes:
+        if node.kind in ARRAY_KINDS:
+            node.value = _materialise(node.kind, *node.value, map_location)
+    return nodes
+
+
+def _read(blobs: BlobStore, manifest: Manifest, chosen, executor: Executor, share) -> List[Node]:
+    """The nodes ``chosen``, array values as ``(verified uint8 buffer, entry)``; the chunks ``share`` says
+    another rank reads are left for it to fill."""
     nodes: List[Node] = []
     pending, packed = [], []
-    chosen = [m for m in manifest.nodes if select is None or not m.path or select(m.path)]
-    stored = stored_sizes(blobs, manifest, chosen, executor=executor)
+    skip = share.received if share is not None else None
+    stored = stored_sizes(blobs, manifest, chosen, executor=executor, skip=skip)
     for mnode in chosen:
         if mnode.kind not in ARRAY_KINDS:
             value = mnode.payload
@@ -54,7 +75,9 @@ def read_nodes(blobs: BlobStore, manifest: Manifest, *, executor: Executor, map_
         mv = memoryview(buf.numpy()).cast("B") if entry.nbytes else memoryview(bytearray())
         off = 0
         for c in entry.chunks:
-            if c.pack is not None:
+            if share is not None and share.take(c, mv[off: off + c.nbytes], key):
+                pass
+            elif c.pack is not None:
                 packed.append(ReadItem(c, mv[off: off + c.nbytes], manifest.step, key))
             else:
                 codec, size = stored[("blob", c.blob_id, c.codec)]
@@ -65,9 +88,6 @@ def read_nodes(blobs: BlobStore, manifest: Manifest, *, executor: Executor, map_
         nodes.append(node)
     pending += read_chunks(blobs.storage, packed, executor=executor, gap=blobs.storage.coalesce_gap)
     wait_all(pending)
-    for node in nodes:
-        if node.kind in ARRAY_KINDS:
-            node.value = _materialise(node.kind, *node.value, map_location)
     return nodes
 
 
@@ -85,16 +105,18 @@ def wait_all(futures) -> None:
 
 
 def stored_sizes(blobs: BlobStore, manifest: Manifest, chosen, *, executor: Executor,
-                 quarantine: bool = True) -> dict:
+                 quarantine: bool = True, skip: Optional[Callable[[Any], bool]] = None) -> dict:
     """Look up the stored size of every blob and pack the ``chosen`` nodes read (in parallel: one ``stat`` or
     HEAD each), and check every chunk's claims against them **before anything is allocated**: a raw blob has
     exactly its raw length, a packed range lies inside its pack, and no zstd chunk claims more raw bytes than
     its stored bytes can hold. A manifest can thus never make a reader allocate more than the files hold.
+    ``skip(chunk ref) -> bool``: chunks not read here (another rank reads them).
 
     Returns ``{("blob", id, codec): (codec found, size), ("pack", id): size}``. Raises
     ``CorruptCheckpointError`` naming step, key and file for the first chunk whose claim cannot hold.
     """
-    refs = [(path_str(m.path), c) for m in chosen if m.kind in ARRAY_KINDS for c in m.payload.chunks]
+    refs = [(path_str(m.path), c) for m in chosen if m.kind in ARRAY_KINDS for c in m.payload.chunks
+            if skip is None or not skip(c)]
     blob_keys = {("blob", c.blob_id, c.codec) for _, c in refs if c.pack is None}
     pack_keys = {("pack", c.pack) for _, c in refs if c.pack is not None}
     futures = {k: executor.submit(blobs.stat, k[1], k[2]) for k in blob_keys}

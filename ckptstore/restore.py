@@ -15,6 +15,11 @@
   shards do not cover its targets (a changed world size or mesh), and then only those the step's shard map
   (:mod:`ckptstore.shardmap`) names as overlapping, plus rank 0's.
 
+Under ``torch.distributed`` (at resume), the chunks of plain values that every rank needs (replicated keys, the
+identical tensors of data-parallel replicas, every plain value after a world-size change) are read by one rank
+each and broadcast to the others (:mod:`ckptstore.fanout`, through ``share``); sharded values are read by
+each rank as above.
+
 In-place fills are the one exception to "apply nothing before everything is verified" (the price of not
 holding a second copy of the model): a damaged chunk found halfway leaves some DTensor targets filled from the
 step being read, and the caller must then load another step into them (resume falls back to an older step;
@@ -123,8 +128,9 @@ class StepLoader:
     """One committed step, read for ``rank`` of a run of ``world_size`` (see the module docstring)."""
 
     def __init__(self, catalog, blobs, commit: Commit, *, rank: int, world_size: int, executor: Executor,
-                 read_nodes: Callable[..., List[Node]]):
+                 read_nodes: Callable[..., List[Node]], share=None):
         self.catalog, self.blobs, self.commit = catalog, blobs, commit
+        self.share = share                          # a fanout.Session: plain chunks every rank needs, read once
         self.rank, self.world_size, self.executor = rank, world_size, executor
         self._read_nodes = read_nodes
         self.same_world = commit.world_size == world_size
@@ -302,7 +308,8 @@ class StepLoader:
             else:
                 keep.append(n)
         plain = Manifest(step=step, rank=base.rank, world_size=base.world_size, stateful=base.stateful, nodes=keep)
-        nodes = self._read_nodes(self.blobs, plain, map_location=map_location)     # all verified, none applied
+        extra = {"share": self.share} if self.share is not None else {}
+        nodes = self._read_nodes(self.blobs, plain, map_location=map_location, **extra)  # verified, none applied
         if sharded:
             reader = SpanReader(self.blobs, self.executor, step)
             self._futures, self._packed = [], []
