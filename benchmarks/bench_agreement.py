@@ -30,6 +30,50 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 
+def rank0_only(n: int, shape: str) -> dict:
+    """Rank 0's side alone at ``n`` ranks (more simulated ranks than this machine has sockets for): the other
+    ranks' parts (computed as in tests/simranks.py) are put in the store by one client, then rank 0 runs the
+    save's commit code and broadcasts its verdict; nobody reads it (its keys stay: not counted)."""
+    import msgpack
+    import torch.distributed as dist
+    from ckptstore.collective import StoreCoordinator
+    from ckptstore.commit import commit_across_ranks
+    from simranks import SimJob, llama_manifest, _blob
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, use_libuv=True, wait_for_workers=False)
+    job = SimJob.__new__(SimJob)                       # only its part arithmetic: no connection per rank
+    job.n, job.shape, job.ranks_per_root, job.full, job.sample, job.files = n, shape, 0, False, 8, {}
+    import numpy as np
+    job.grid = np.arange(n, dtype="<i4").tobytes()
+    job.roots = ["/shared"] * n
+    job._parts = {}
+    job.precompute(1)
+    coord = StoreCoordinator(0, n, kv_store=server, instance=0)
+    tag = coord.next_tag("save/1")
+    keys = [f"ckptstore/0/{tag}/parts/p/{r}" for r in range(1, n)]
+    vals = [msgpack.packb(job._parts[r], use_bin_type=True) for r in range(1, n)]
+    for lo in range(0, len(keys), 1000):
+        server.multi_set(keys[lo:lo + 1000], vals[lo:lo + 1000])
+    del vals
+    m = llama_manifest(shape, 0, n, job.grid, 1)
+    new_commit, write_marker, write_map = job._writers(0, 1)
+    gc.collect()
+    tracemalloc.start()
+    t = time.perf_counter()
+    ok = commit_across_ranks(coord, tag, 1, manifest=m, own_digest=(_blob("m")[:32].encode(), 4096, 0),
+                             bytes_total=m.bytes_total, error=None, where=b"shared", timeout=60,
+                             new_commit=new_commit, write_marker=write_marker, write_map=write_map, gen=0,
+                             adopt_run_id=lambda rid: None)
+    secs = time.perf_counter() - t
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    root = job.files["/shared"]
+    return dict(n=n, shape=shape, rank0_only=True, committed=ok, rank0_s=round(secs, 3),
+                rank0_gathered_B=coord.bytes_received, peak_alloc_MB=round(peak / 2**20, 1),
+                largest_value_B=max(len(v) for v in [msgpack.packb(job._parts[1], use_bin_type=True)]),
+                map_B=len(root["1/shards"]), marker_B=len(root["1/COMMIT"]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, nargs="+", default=[64, 256, 1024, 4096, 10000])
@@ -37,9 +81,14 @@ def main() -> None:
     ap.add_argument("--roots", type=int, default=0, help="ranks per node-local root (0: one shared root)")
     ap.add_argument("--saves", type=int, default=2, help="saves per N (the figures are the last one's)")
     ap.add_argument("--json", help="write the rows here too")
+    ap.add_argument("--rank0-only", type=int, nargs="*", default=[],
+                    help="also these N, rank 0's side alone (past the machine's socket limit)")
     a = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    try:                                  # two sockets per simulated rank (client and server side)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1 << 16, 1 << 16))
+    except (ValueError, OSError):        # not root: as many as allowed
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     import threading
     threading.stack_size(512 << 10)
     from simranks import SimJob, summary
@@ -47,7 +96,9 @@ def main() -> None:
     rows = []
     for n in a.n:
         t = time.perf_counter()
-        job = SimJob(n, shape=a.shape, ranks_per_root=a.roots, full=False, server_process=n > 2000)
+        # past ~9,000 ranks the two sockets per rank pass a 20,000-file limit: the server then runs in a child
+        job = SimJob(n, shape=a.shape, ranks_per_root=a.roots, full=False,
+                     server_process=2 * n + 500 > resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         setup = time.perf_counter() - t
         try:
             before = job.keys()
@@ -71,6 +122,9 @@ def main() -> None:
         finally:
             job.close()
         rows.append(row)
+        print(json.dumps(row), flush=True)
+    for n in a.rank0_only:
+        row = rank0_only(n, a.shape)
         print(json.dumps(row), flush=True)
     print("\ngrowth from one N to the next (ratio of N in brackets):")
     for prev, cur in zip(rows, rows[1:]):
