@@ -25,7 +25,7 @@ import zstandard
 from .blobs import decompress, digest_bytes, hash_stream
 from .catalog import Catalog, ManifestCache
 from .errors import CheckpointError, CorruptCheckpointError, UploadError
-from .layout import MAX_GENERATION, blob_path, commit_path, manifest_path, pack_path, shards_path
+from .layout import MAX_GENERATION, blob_path, commit_path, manifest_path, pack_path, shards_path, step_dir
 from . import lease
 from .lease import WriterOp, read_epoch
 from .manifest import ChunkRef, Commit, Manifest, encode_commit, encode_manifest
@@ -229,13 +229,20 @@ class StepCopier:
             if key in self.known_dst:
                 return 0
         path = pack_path(pack_id)
-        if self._dst_has(key, path):
-            if self._dst_pack_ok(pack_id, path):
-                return 0
-            with self._lock:
-                self.known_dst.discard(key)
         local = self.src.local_path(path)
         size = self.src.size(path) if local is not None else None
+        # A small pack bound for a remote with create-only writes is not looked up first (as small blobs, see
+        # _copy_blob): the write itself is conditional, so an absent pack (the common case: a save's packs are
+        # new) costs one request instead of two, a present one a resend of at most STREAM_THRESHOLD bytes.
+        blind = (size is not None and size <= STREAM_THRESHOLD and self.dst.conditional_writes
+                 and self.dst.local_path("") is None)
+        replace = False
+        if not blind and self._dst_has(key, path):
+            if self._dst_pack_ok(pack_id, path):
+                return 0
+            replace = True                            # a damaged local copy: replaced, atomically
+            with self._lock:
+                self.known_dst.discard(key)
         if local is not None and size is not None and size > STREAM_THRESHOLD:
             sent = self._put_verified_file(step, path, local, pack_id, None, "pack", path)
             fetched = sent
@@ -245,7 +252,7 @@ class StepCopier:
             payload = self._read_checked(step, path, "pack", path, lambda: self.src.read_bytes(path, limit=limit),
                                          lambda b: digest_bytes(b, threads=True) == pack_id)
             fetched = len(payload)
-            if self.dst.exists(path):                 # damaged copy found above: replace it, atomically
+            if replace:
                 self.call(lambda: self.dst.write_atomic(path, payload), f"replace pack {pack_id}")
                 wrote = True
             else:
@@ -503,16 +510,25 @@ class StepCopier:
     def _await_other_parts(self, step: int, commit: Commit, copied, timeout: Optional[float]) -> None:
         """Wait until ``dst`` holds the manifest of every rank not in ``copied`` (uploaded by the nodes that
         hold them), each matching the digest in the commit marker. Its blobs and packs were written before it
-        (every node's upload order), so the step is then complete on ``dst``."""
+        (every node's upload order), so the step is then complete on ``dst``.
+
+        Each round costs one listing of the step's prefix with sizes (S3: one LIST per 1,000 objects) and one
+        bounded GET per manifest that newly appears there with the size the marker records, read once and
+        checked against its digest (a manifest of an earlier, uncommitted attempt at this step may sit under
+        the same name): issue 19 measured one HEAD and one GET per other rank, again every round. Storages
+        that cannot list sizes are read rank by rank as before, one bounded GET each."""
         deadline = time.monotonic() + (self.retry.deadline if timeout is None else timeout)
         missing = sorted(set(commit.manifests) - set(copied))
         delay = 0.05
         while missing:
+            listed = self.call(lambda: self.dst.list_sizes(step_dir(step)), f"list step {step} of {self.dst.url}")
             for r in list(missing):
                 digest, size, gen = commit.manifests[r]
                 path = manifest_path(step, r, gen)
+                if listed is not None and listed.get(path.rsplit("/", 1)[1]) != size:
+                    continue                       # not there yet (or not yet the bytes the marker names)
                 try:
-                    data = self.call(lambda p=path: self.dst.read_bytes(p), f"read {path}")
+                    data = self.call(lambda p=path, n=size: self.dst.read_bytes(p, limit=n + 1), f"read {path}")
                 except FileNotFoundError:
                     continue
                 if len(data) == size and digest_bytes(data) == digest.hex():
@@ -575,11 +591,17 @@ class StepCopier:
         with self._lock:
             self.known_dst.clear()
 
-    def remember_dst_step(self, step: int) -> None:
-        """Add the blobs of a step already committed on ``dst`` to ``known_dst`` (one manifest read per rank)."""
+    def remember_dst_step(self, step: int, ranks=None) -> None:
+        """Add the blobs of a step already committed on ``dst`` to ``known_dst`` (one manifest read per rank).
+        ``ranks="present"``: only the ranks whose manifest of ``step`` the source holds (a node-local root: the
+        parts this copier will upload; issue 19: rank 0's uploader read every rank's manifest at each start)."""
         try:
             commit = self.dst_catalog.read_commit(step)
-            for rank in commit.manifests:
+            wanted = list(commit.manifests)
+            if ranks == "present" and self.src_catalog.is_committed(step):
+                wanted = [r for r, (_, _, g) in commit.manifests.items()
+                          if self.src.exists(manifest_path(step, r, g))]
+            for rank in wanted:
                 m = self.dst_catalog.read_manifest(commit, rank)
                 with self._lock:
                     self.known_dst |= {("blob", b) for b in m.blob_ids()} | {("pack", p) for p in m.pack_ids()}

@@ -108,7 +108,7 @@ class Uploader:
         budget = min(self.copier.retry.op_timeout, REWIND_LIST_SECONDS)
         once = RetryPolicy(deadline=budget, op_timeout=budget)
         try:
-            steps = self.copier.call(lambda: Catalog(self.remote).committed_steps(),
+            steps = self.copier.call(lambda: Catalog(self.remote).newest_committed()[0][:1],
                                      f"list steps of {self.remote.url}", policy=once)
         except Exception as e:
             log.warning("could not list %s within %.0f s to check the step against its newest (%s: %s): judged "
@@ -116,7 +116,7 @@ class Uploader:
                         type(e).__name__, e)
             self._listed = (None,)
             return None
-        self._listed = (steps[-1] if steps else None,)
+        self._listed = (steps[0] if steps else None,)
         return self._listed[0]
 
     def enqueue(self, step: int) -> None:
@@ -216,16 +216,18 @@ class Uploader:
 
     # -- the thread -----------------------------------------------------------------------------------------
     def _derive(self) -> None:
-        """Pending steps = local committed steps newer than the remote's newest committed step."""
-        remote_steps = self.copier.call(lambda: Catalog(self.remote).committed_steps(), "list remote steps")
+        """Pending steps = local committed steps newer than the remote's newest committed step (found from the
+        remote's latest pointer: :meth:`Catalog.newest_committed`, a few requests whatever the number of steps)."""
+        newest = self.copier.call(lambda: Catalog(self.remote).newest_committed()[0][:1], "list remote steps")
         if self._lease is None and not self.parts_only:
             # one job uploads into a remote root: a second is refused, naming us (the other nodes of this job
             # upload parts only, under rank 0's lease)
             self._lease = acquire_writer(self.remote, job=self.local.url)
-        newest_remote = remote_steps[-1] if remote_steps else None
+        newest_remote = newest[0] if newest else None
         self.remote_newest = newest_remote
         if newest_remote is not None:
-            self.copier.remember_dst_step(newest_remote)
+            # what the remote holds of the parts this root uploads (its own ranks' manifests: not every rank's)
+            self.copier.remember_dst_step(newest_remote, ranks="present")
         local_steps = Catalog(self.local).committed_steps()
         todo = [s for s in local_steps if newest_remote is None or s > newest_remote]
         with self._cond:
