@@ -74,11 +74,11 @@ class Loader:
         p = self.p
         return self._listing(Catalog(p.remote_storage, p.decoded) if p.remote_storage else None)[0]
 
-    def _listing(self, remote_catalog: Optional[Catalog]) -> Tuple[List[Tier], bool]:
+    def _listing(self, remote_catalog: Optional[Catalog], newest_only: bool = False) -> Tuple[List[Tier], bool]:
         """``(candidates newest first, remote reachable)`` (:func:`ckptstore.resolve.candidates`); an unreachable
         remote is logged and the local steps alone are listed: it must not block a local resume."""
         try:
-            return list(candidates(self.p.catalog, remote_catalog)), True
+            return list(candidates(self.p.catalog, remote_catalog, newest_only=newest_only)), True
         except Exception as e:
             if remote_catalog is None:
                 raise
@@ -247,21 +247,25 @@ class Loader:
         remote_catalog = Catalog(p.remote_storage, p.decoded) if p.remote_storage is not None else None
         pulled: set = set()
 
-        def list_candidates():
+        def list_candidates(newest_only=True):
             nonlocal remote_catalog
             if step is not None:                      # an empty list: restore raises FileNotFoundError
                 tier = self.tier_of(step)
                 return [(step, tier)] if tier is not None else []
-            listed, reachable = self._listing(remote_catalog)
+            # discovery (rank 0 only, broadcast): the remote's latest pointer and the steps after it, a few
+            # requests whatever the number of steps and ranks (issue 19); the whole listing only if none loads
+            listed, reachable = self._listing(remote_catalog, newest_only=newest_only)
             if not reachable:
                 remote_catalog = None                 # no repairs from an unreachable remote either
             return listed
 
         def attempt(s, tier):
             return self._resume_step(state, s, tier, remote_catalog, pulled, strict, rank_local, keys)
+        more = (lambda: list_candidates(newest_only=False)) if step is None and remote_catalog is not None \
+            else None
         found = first_valid_step(list_candidates, attempt, coord=p.coord, timeout=p.collective_timeout,
                                  tag=p.coord.next_tag("resume") if p.coord is not None else None,
-                                 substitute=step is None)
+                                 substitute=step is None, more=more)
         if found is not None:
             s, tier = found
             self.resumed_from = {"tier": tier, "step": s, "url": p.root if tier == "local" else
