@@ -280,6 +280,17 @@ class Loader:
         the remote when the local copy is damaged. Returns the tier it came from; raises CheckpointError."""
         p = self.p
         load = dict(strict=strict, check_config=True, rank_local=rank_local, components=keys)
+        if remote_catalog is not None and self._partial_other_layout(step) \
+                and quiet(lambda: remote_catalog.is_committed(step)):
+            # A node-local root of a job that ran with another number of ranks holds only its old ranks' parts:
+            # that is no damage (issue 19: every node but rank 0's logged "local step is damaged (manifest
+            # missing)" and pulled the whole step). Read straight from the remote only the ranges this rank's
+            # targets overlap, as a root without the step does.
+            step_catalog, step_blobs = self.remote_reader()
+            saved = step_catalog.read_commit_bytes(step)
+            self._restore(state, step_catalog, step_blobs, step, commit=saved[1], **load)
+            p.adopt_run_id(saved[1].run_id)
+            return "remote"
         if not p.catalog.is_committed(step):
             if remote_catalog is None:
                 raise CorruptCheckpointError("not committed in this rank's root and no remote to pull from",
@@ -317,6 +328,20 @@ class Loader:
         except CheckpointError:
             pass
         return tier
+
+    def _partial_other_layout(self, step: int) -> bool:
+        """Whether ``step`` is committed in this rank's root by a job with another world size (more than one
+        rank) and the root lacks some of its ranks' manifests (node-local disks: each holds its own ranks')."""
+        p = self.p
+        if p.world_size <= 1 or not p.catalog.is_committed(step):
+            return False
+        try:
+            commit = p.catalog.read_commit(step)
+        except CheckpointError:
+            return False
+        if commit.world_size == p.world_size or commit.world_size <= 1:
+            return False
+        return not all(p.storage.exists(manifest_path(step, r, g)) for r, (_, _, g) in commit.manifests.items())
 
     def _restore(self, state, catalog, blobs, step, *, strict, check_config, components=None,
                  rank_local: str = "error", commit: Optional[Commit] = None) -> None:
