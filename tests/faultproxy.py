@@ -78,12 +78,12 @@ class FaultProxy:
                 length = re.search(rb"(?i)\r\ncontent-length:\s*(\d+)", data[:max(head_end, 0)])
                 if head_end >= 0 and length and int(length.group(1)) >= 64:
                     skip, start = 32, head_end + 4
+                    self.corrupt_bodies -= 1            # taken now: two answers in flight never both flip
             if skip is not None:
                 if len(data) - start > skip:
                     i = start + skip
                     data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:]
                     skip = None
-                    self.corrupt_bodies -= 1
                     self.counts["corrupt"] += 1
                 else:
                     skip -= len(data) - start
