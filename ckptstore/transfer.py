@@ -320,7 +320,7 @@ class StepCopier:
 
     def copy_step(self, step: int, *, ranks=None, marker: str = "write",
                   others_timeout: Optional[float] = None,
-                  source: Optional[Tuple[bytes, Commit]] = None) -> TransferStats:
+                  source: Optional[Tuple[bytes, Commit]] = None, fresh: bool = False) -> TransferStats:
         """Copy one committed step. Raises ``CorruptCheckpointError`` if the source is damaged (nothing of the
         step becomes visible on ``dst``), :class:`~ckptstore.errors.UploadError` past the retry deadline.
 
@@ -330,6 +330,9 @@ class StepCopier:
         marker names (parts copied by other nodes), waiting up to ``others_timeout`` seconds (default: the
         retry deadline) and raising ``UploadError`` naming the missing ranks after that. ``source``: the
         source's commit marker (bytes, decoded) when the caller has just read it (one request fewer).
+        ``fresh`` (with ``"after_all"``): the caller knows ``dst`` held nothing under this step's prefix before
+        this job's uploaders wrote there, so a manifest listed with the size the marker records is the one the
+        marker names and is not read back (see :meth:`_await_other_parts`).
 
         The copy is registered as in flight on ``dst`` (and on ``src`` with ``mark_src``), so a gc there waits
         for it (see :mod:`ckptstore.lease`); after a gc on ``dst`` what we knew of its objects is dropped."""
@@ -342,7 +345,7 @@ class StepCopier:
                 with self._lock:
                     self.known_dst.clear()
                 self._dst_epoch = epoch
-            return self._copy_step(step, ranks, marker, others_timeout, source)
+            return self._copy_step(step, ranks, marker, others_timeout, source, fresh)
         finally:
             for op in ops:
                 try:
@@ -377,7 +380,7 @@ class StepCopier:
                     self._calls.submit(other.end)      # may do I/O on a stalled server: not on this thread
 
     def _copy_step(self, step: int, ranks=None, marker: str = "write", others_timeout=None,
-                   source=None) -> TransferStats:
+                   source=None, fresh: bool = False) -> TransferStats:
         t0 = time.perf_counter()
         commit_bytes, commit, manifests = self.read_step(step, ranks, source)
         blobs, packs, pack_ends = {}, set(), {}
@@ -407,7 +410,7 @@ class StepCopier:
                 self.call(lambda: self.dst.write_atomic(path, shard_map), f"write {path}")
             if not self._disturbed:
                 if marker == "after_all":
-                    self._await_other_parts(step, commit, {r for r, _, _ in manifests}, others_timeout)
+                    self._await_other_parts(step, commit, {r for r, _, _ in manifests}, others_timeout, fresh)
                 if marker != "skip":
                     self.call(lambda: self.dst.write_atomic(commit_path(step), marker_bytes),
                               f"write commit of step {step}")
@@ -507,7 +510,8 @@ class StepCopier:
             writes.append((manifest_path(step, rank, entries[rank][2]), data))
         return writes, encode_commit(dataclasses.replace(commit, manifests=entries))
 
-    def _await_other_parts(self, step: int, commit: Commit, copied, timeout: Optional[float]) -> None:
+    def _await_other_parts(self, step: int, commit: Commit, copied, timeout: Optional[float],
+                           fresh: bool = False) -> None:
         """Wait until ``dst`` holds the manifest of every rank not in ``copied`` (uploaded by the nodes that
         hold them), each matching the digest in the commit marker. Its blobs and packs were written before it
         (every node's upload order), so the step is then complete on ``dst``.
@@ -515,8 +519,12 @@ class StepCopier:
         Each round costs one listing of the step's prefix with sizes (S3: one LIST per 1,000 objects) and one
         bounded GET per manifest that newly appears there with the size the marker records, read once and
         checked against its digest (a manifest of an earlier, uncommitted attempt at this step may sit under
-        the same name): issue 19 measured one HEAD and one GET per other rank, again every round. Storages
-        that cannot list sizes are read rank by rank as before, one bounded GET each."""
+        the same name): issue 19 measured one HEAD and one GET per other rank, again every round. ``fresh``:
+        no earlier attempt can have left anything under the step's prefix (the uploader saw no such prefix when
+        it listed the remote, and has not failed, truncated or deleted since): a listed manifest of the right
+        size is this attempt's, written by its node after that node verified it against the marker's digest,
+        and is not read back; a save then costs rank 0 one LIST per round (per 1,000 ranks) whatever the
+        number of ranks. Storages that cannot list sizes are read rank by rank, one bounded GET each."""
         deadline = time.monotonic() + (self.retry.deadline if timeout is None else timeout)
         missing = sorted(set(commit.manifests) - set(copied))
         delay = 0.05
@@ -527,6 +535,9 @@ class StepCopier:
                 path = manifest_path(step, r, gen)
                 if listed is not None and listed.get(path.rsplit("/", 1)[1]) != size:
                     continue                       # not there yet (or not yet the bytes the marker names)
+                if listed is not None and fresh:
+                    missing.remove(r)
+                    continue
                 try:
                     data = self.call(lambda p=path, n=size: self.dst.read_bytes(p, limit=n + 1), f"read {path}")
                 except FileNotFoundError:
