@@ -393,6 +393,9 @@ class StepCopier:
                     packs.add(c.pack)
                     pack_ends[c.pack] = max(pack_ends.get(c.pack, 0), c.offset + c.stored)
                     ranges.setdefault(c.pack, {})[(c.offset, c.stored)] = c
+        if marker == "skip":                      # a node's parts: rank 0's node uploads what it shares with them
+            for b in self._rank0_uploads(step, commit, manifests):
+                blobs.pop(b, None)
         stats = TransferStats(step=step, blobs_total=len(blobs) + len(packs))
         for _ in range(10):
             self._disturbed = False
@@ -428,6 +431,37 @@ class StepCopier:
             raise UploadError(f"step {step}: the destination kept failing while its blobs were checked")
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def _rank0_uploads(self, step: int, commit: Commit, manifests) -> Set[str]:
+        """The blobs of a node's parts that rank 0's node uploads itself, so that the two never write one object
+        name at once (issue 19: data-parallel replicas of a value saved without ``replicated=`` sent each of its
+        blobs once per node, all at the same time): blobs referenced here only by plain (not sharded) values
+        that the step's shard map does not call rank-local. Such a value has the same signature, chunk ids
+        included, on every rank (FORMAT.md "Shard map"), so rank 0's manifest names the same blobs, and rank 0's
+        uploader puts them on the remote before its commit marker. Packs are left alone (a pack's name is the
+        digest of the whole file, which differs between ranks that packed other chunks beside the shared ones).
+        Empty (upload everything, as before) without a readable map, with rank 0's parts here, or when the map
+        could not tell rank-local paths."""
+        if commit.shards is None or any(r == 0 for r, _, _ in manifests):
+            return set()
+        try:
+            rank_local = self.src_catalog.read_shard_map(commit).rank_local
+        except CheckpointError as e:
+            log.info("step %d: shard map unreadable (%s): this node uploads every blob its parts name", step, e)
+            return set()
+        if rank_local is None:
+            return set()
+        shared, own = set(), set()
+        for _, _, m in manifests:
+            rep = set(m.replicated)
+            for n in m.nodes:
+                if n.kind not in ("tensor", "ndarray", "npscalar", "dtensor"):
+                    continue
+                ids = {c.blob_id for c in n.payload.chunks if c.pack is None}
+                plain = (n.kind != "dtensor" and n.path and n.path[0] not in rep
+                         and not any(tuple(n.path[:len(q)]) == tuple(q) for q in rank_local))
+                (shared if plain else own).update(ids)
+        return shared - own
 
     # -- ranged pulls -------------------------------------------------------------------------------------------
     def _ranged_packs(self, packs, ranges, pack_ends) -> Set[str]:
