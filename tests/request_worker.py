@@ -46,6 +46,9 @@ def main():
     shared = torch.randn(args.shared_kib * 256, generator=g)
     state = {"w": torch.zeros(256), "shared": shared.clone(), "step": 0}
     start = store.resume(state) or 0
+    # every rank got its own values back (a failed check exits non-zero: the launcher raises)
+    assert torch.equal(state["shared"], shared), rank
+    assert start == 0 or torch.equal(state["w"], torch.full((256,), float(start * 1000 + rank))), rank
     out = {"rank": rank, "resumed": start, "tier": (store.resumed_from or {}).get("tier")}
     dist.barrier()
     if rank == 0:
@@ -56,7 +59,6 @@ def main():
         if rank == 0:
             mark(endpoint, "settled")
     else:
-        assert torch.equal(state["shared"], shared)
         for step in range(start + 1, args.steps + 1):
             state["w"] = torch.full((256,), float(step * 1000 + rank))
             state["step"] = step

@@ -152,3 +152,14 @@ def test_a_restart_on_fewer_nodes_reads_what_its_disk_lacks_from_the_remote_with
     names = sorted(p.name for p in step_dir(tmp_path / "node1", 2).glob("manifest-*"))
     assert names == ["manifest-rank00002.msgpack", "manifest-rank00003.msgpack"]
     assert_same_state(full(tmp_path / "g.pt")["state"], full(tmp_path / "w.pt")["state"])
+
+
+def test_replicas_on_several_nodes_put_a_shared_blob_once(tmp_path, s3_bucket_url, proxy):
+    """A 4.1 MiB value that every rank holds alike (data-parallel replicas, saved without ``replicated=``) is a
+    blob of its own; with two nodes, only rank 0's node puts it (never two writers on one object name), and
+    every rank of a new job on empty disks gets it back."""
+    url, so = s3_bucket_url
+    got = measure(proxy, url, so, str(tmp_path), 4, per_node=2, steps=1, shared_kib=4200)
+    puts = [t for m, t in got["requests_save1"] if m == "PUT" and "/objects/" in t]
+    assert len(puts) == 1, puts
+    assert got["resumed_step"] == 1
