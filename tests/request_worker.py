@@ -37,7 +37,7 @@ def main():
     ap.add_argument("--shared-kib", type=int, default=64)
     args = ap.parse_args()
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     so = json.loads(args.so)
     endpoint = so["endpoint_url"]
     root = args.store.replace("{node}", str(rank // args.per_node)).replace("{rank}", str(rank))
