@@ -4,8 +4,9 @@ Two small pieces, kept apart from :class:`~ckptstore.loading.Loader` (which wire
 pulls and pools):
 
 * :func:`first_valid_step` walks the candidate steps newest first (:func:`ckptstore.resolve.candidates`: local,
-  then remote). Under ``torch.distributed`` discovery happens once: rank 0 lists, then broadcasts the list (never
-  every rank LISTing the bucket); each candidate then costs one gather and one broadcast of the ranks'
+  then remote). Under ``torch.distributed`` discovery happens once: rank 0 finds the candidates (the remote's
+  latest pointer and the steps after it; the whole listing only if none of them loads), then broadcasts them
+  (never every rank LISTing the bucket); each candidate then costs one gather and one broadcast of the ranks'
   outcomes, so a step that is damaged for one rank falls back for all, and an incompatibility on any rank raises
   on all.
 * :func:`restore_into` applies one step, read by a :class:`~ckptstore.restore.StepLoader`, to ``state``:
