@@ -69,6 +69,31 @@ class Catalog:
         """Steps that have a commit marker, ascending (their contents are not verified here)."""
         return [s for s in self.step_dirs() if self.is_committed(s)]
 
+    def newest_committed(self, seen: Optional[List[int]] = None) -> Tuple[List[int], bool]:
+        """``(committed steps newest first, complete)`` found at a cost that grows with neither the number of
+        steps nor of ranks (issue 19): when the latest pointer names a committed step ``p`` (one GET, one HEAD),
+        the committed step directories newer than ``p`` (one LIST from ``p`` on, :meth:`Storage.listdir_after`,
+        one HEAD each: none unless a writer died between a commit marker and its pointer move) and ``p``, with
+        ``complete=False`` (older steps were not listed). Without a usable pointer: every committed step, from
+        one listing of the step directories and a HEAD of each marker newest first until one is found
+        (``complete=False`` too: older steps are not checked; :meth:`committed_steps` does that). ``seen``: a
+        list that gets every step directory listed on the way (committed or not)."""
+        from .pointers import read_latest
+        pointed = read_latest(self.storage)
+        if pointed is not None and self.is_committed(pointed):
+            dirs = [s for s in (parse_step_dir(n) for n in self.storage.listdir_after(STEPS, f"{pointed:012d}"))
+                    if s is not None and s > pointed]
+            if seen is not None:
+                seen.extend(dirs + [pointed])
+            return [s for s in sorted(dirs, reverse=True) if self.is_committed(s)] + [pointed], False
+        dirs = self.step_dirs()
+        if seen is not None:
+            seen.extend(dirs)
+        for s in reversed(dirs):
+            if self.is_committed(s):
+                return [s], False
+        return [], True
+
     # -- reading ------------------------------------------------------------------------------------------
     def read_commit(self, step: int) -> Commit:
         """Raises ``CorruptCheckpointError`` when the marker is missing, truncated or invalid."""

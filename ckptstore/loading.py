@@ -76,11 +76,11 @@ class Loader:
         p = self.p
         return self._listing(Catalog(p.remote_storage, p.decoded) if p.remote_storage else None)[0]
 
-    def _listing(self, remote_catalog: Optional[Catalog]) -> Tuple[List[Tier], bool]:
+    def _listing(self, remote_catalog: Optional[Catalog], newest_only: bool = False) -> Tuple[List[Tier], bool]:
         """``(candidates newest first, remote reachable)`` (:func:`ckptstore.resolve.candidates`); an unreachable
         remote is logged and the local steps alone are listed: it must not block a local resume."""
         try:
-            return list(candidates(self.p.catalog, remote_catalog)), True
+            return list(candidates(self.p.catalog, remote_catalog, newest_only=newest_only)), True
         except Exception as e:
             if remote_catalog is None:
                 raise
@@ -250,12 +250,14 @@ class Loader:
         remote_catalog = Catalog(p.remote_storage, p.decoded) if p.remote_storage is not None else None
         pulled: set = set()
 
-        def list_candidates():
+        def list_candidates(newest_only=True):
             nonlocal remote_catalog
             if step is not None:                      # an empty list: restore raises FileNotFoundError
                 tier = self.tier_of(step)
                 return [(step, tier)] if tier is not None else []
-            listed, reachable = self._listing(remote_catalog)
+            # discovery (rank 0 only, broadcast): the remote's latest pointer and the steps after it, a few
+            # requests whatever the number of steps and ranks (issue 19); the whole listing only if none loads
+            listed, reachable = self._listing(remote_catalog, newest_only=newest_only)
             if not reachable:
                 remote_catalog = None                 # no repairs from an unreachable remote either
             return listed
@@ -264,9 +266,11 @@ class Loader:
             with self.read_once.session() as share:      # every rank takes part once per attempt
                 return self._resume_step(state, s, tier, remote_catalog, pulled, strict, rank_local, keys,
                                          share=share)
+        more = (lambda: list_candidates(newest_only=False)) if step is None and remote_catalog is not None \
+            else None
         found = first_valid_step(list_candidates, attempt, coord=p.coord, timeout=p.collective_timeout,
                                  tag=p.coord.next_tag("resume") if p.coord is not None else None,
-                                 substitute=step is None)
+                                 substitute=step is None, more=more)
         if found is not None:
             s, tier = found
             self.resumed_from = {"tier": tier, "step": s, "url": p.root if tier == "local" else
@@ -285,6 +289,17 @@ class Loader:
         (:mod:`ckptstore.fanout`). Returns the tier it came from; raises CheckpointError."""
         p = self.p
         load = dict(strict=strict, check_config=True, rank_local=rank_local, components=keys, share=share)
+        if remote_catalog is not None and self._partial_other_layout(step) \
+                and quiet(lambda: remote_catalog.is_committed(step)):
+            # A node-local root of a job that ran with another number of ranks holds only its old ranks' parts:
+            # that is no damage (issue 19: every node but rank 0's logged "local step is damaged (manifest
+            # missing)" and pulled the whole step). Read straight from the remote only the ranges this rank's
+            # targets overlap, as a root without the step does.
+            step_catalog, step_blobs = self.remote_reader()
+            saved = step_catalog.read_commit_bytes(step)
+            self._restore(state, step_catalog, step_blobs, step, commit=saved[1], **load)
+            p.adopt_run_id(saved[1].run_id)
+            return "remote"
         if not p.catalog.is_committed(step):
             if remote_catalog is None:
                 raise CorruptCheckpointError("not committed in this rank's root and no remote to pull from",
@@ -328,6 +343,20 @@ class Loader:
                 tier = "remote"
         p.adopt_run_id(commit.run_id)  # this run's id is the one the resumed step's commit marker records
         return tier
+
+    def _partial_other_layout(self, step: int) -> bool:
+        """Whether ``step`` is committed in this rank's root by a job with another world size (more than one
+        rank) and the root lacks some of its ranks' manifests (node-local disks: each holds its own ranks')."""
+        p = self.p
+        if p.world_size <= 1 or not p.catalog.is_committed(step):
+            return False
+        try:
+            commit = p.catalog.read_commit(step)
+        except CheckpointError:
+            return False
+        if commit.world_size == p.world_size or commit.world_size <= 1:
+            return False
+        return not all(p.storage.exists(manifest_path(step, r, g)) for r, (_, _, g) in commit.manifests.items())
 
     def _restore(self, state, catalog, blobs, step, *, strict, check_config, components=None,
                  rank_local: str = "error", commit: Optional[Commit] = None, share=None) -> Commit:

@@ -15,10 +15,17 @@ from .layout import check_step
 _STEP_URL = re.compile(r"^(?P<store>.+?)/+steps/+(?P<step>[0-9]{1,12})/*$")
 
 
-def candidates(local_catalog, remote_catalog=None) -> Iterator[Tuple[int, str]]:
+def candidates(local_catalog, remote_catalog=None, *, newest_only: bool = False) -> Iterator[Tuple[int, str]]:
     """``(step, tier)`` newest first; ``tier`` is ``"local"`` or ``"remote"``. Remote commit markers are
-    looked up lazily (one request per step tried, not per step stored)."""
+    looked up lazily (one request per step tried, not per step stored). ``newest_only``: of the remote, only
+    the steps :meth:`~ckptstore.catalog.Catalog.newest_committed` finds (the latest pointer's and any newer:
+    a few requests whatever the number of steps), every local step still."""
     local = set(local_catalog.committed_steps())
+    if remote_catalog is not None and newest_only:
+        remote = remote_catalog.newest_committed()[0]
+        for step in sorted(local | set(remote), reverse=True):
+            yield step, ("local" if step in local else "remote")
+        return
     remote_dirs: List[int] = remote_catalog.step_dirs() if remote_catalog is not None else []
     for step in sorted(local | set(remote_dirs), reverse=True):
         if step in local:

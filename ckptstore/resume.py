@@ -4,8 +4,9 @@ Two small pieces, kept apart from :class:`~ckptstore.loading.Loader` (which wire
 pulls and pools):
 
 * :func:`first_valid_step` walks the candidate steps newest first (:func:`ckptstore.resolve.candidates`: local,
-  then remote). Under ``torch.distributed`` discovery happens once: rank 0 lists, then broadcasts the list (never
-  every rank LISTing the bucket); each candidate then costs one gather and one broadcast of the ranks'
+  then remote). Under ``torch.distributed`` discovery happens once: rank 0 finds the candidates (the remote's
+  latest pointer and the steps after it; the whole listing only if none of them loads), then broadcasts them
+  (never every rank LISTing the bucket); each candidate then costs one gather and one broadcast of the ranks'
   outcomes, so a step that is damaged for one rank falls back for all, and an incompatibility on any rank raises
   on all.
 * :func:`restore_into` applies one step, read by a :class:`~ckptstore.restore.StepLoader`, to ``state``:
@@ -28,7 +29,8 @@ Tier = Tuple[int, str]          # (step, "local" | "remote")
 
 def first_valid_step(list_candidates: Callable[[], List[Tier]], attempt: Callable[[int, str], str], *,
                      coord: Optional[Coordinator] = None, tag: Optional[str] = None,
-                     timeout: float = 600.0, substitute: bool = True) -> Optional[Tier]:
+                     timeout: float = 600.0, substitute: bool = True,
+                     more: Optional[Callable[[], List[Tier]]] = None) -> Optional[Tier]:
     """Load the newest candidate step that loads on every rank; return ``(step, tier)`` or ``None``.
 
     ``list_candidates()`` -> ``[(step, tier), ...]`` newest first; called on rank 0 only under a coordinator
@@ -37,33 +39,45 @@ def first_valid_step(list_candidates: Callable[[], List[Tier]], attempt: Callabl
     ``CheckpointError`` for a step that cannot be used (the next one is tried) and
     ``IncompatibleCheckpointError`` for one that must not be skipped (raised on every rank at once).
     ``substitute=False`` (a step chosen by the caller): a candidate that fails is raised on every rank, not
-    skipped.
-    """
+    skipped. ``more()``: the complete candidate list, asked for (on rank 0, broadcast) only when every
+    candidate of the first list failed (the first is then the cheap one: the latest pointer's step)."""
     tiers: Optional[List[Tier]] = None
     if coord is None or coord.rank == 0:
         tiers = list(list_candidates())
     if coord is not None:                             # discovery once: rank 0 lists, every rank follows
         got = coord.broadcast(f"{tag}/steps", {"steps": tiers}, timeout)
         tiers = [(int(s), str(t)) for s, t in got["steps"]]
-    for i, (step, tier) in enumerate(tiers):
-        error: Optional[BaseException] = None
-        fatal = False
-        try:
-            tier = attempt(step, tier)
-        except IncompatibleCheckpointError as e:
-            error, fatal = e, True
-        except CheckpointError as e:
-            error = e
-        except Exception as e:        # any other failure still ends in the agreement (else the other ranks
-            error, fatal = e, True    # wait for this one until the timeout), then is raised on every rank
-        if coord is not None:
-            error, fatal = agree_outcome(coord, f"{tag}/{i}", step, error, fatal, timeout)
-        if fatal or (error is not None and not substitute):
-            raise error
-        if error is not None:
-            log.warning("cannot resume from step %d, trying an older step: %s", step, error)
-            continue
-        return step, tier
+    tried = set()
+    for round_ in range(2 if more is not None else 1):
+        if round_ == 1:                               # every cheap candidate failed: the whole listing
+            rest = None
+            if coord is None or coord.rank == 0:
+                rest = [t for t in more() if t not in tried]
+            if coord is not None:
+                got = coord.broadcast(f"{tag}/more", {"steps": rest}, timeout)
+                rest = [(int(s), str(t)) for s, t in got["steps"]]
+            tiers = rest
+        for step, tier in tiers:
+            i = len(tried)
+            tried.add((step, tier))
+            error: Optional[BaseException] = None
+            fatal = False
+            try:
+                tier = attempt(step, tier)
+            except IncompatibleCheckpointError as e:
+                error, fatal = e, True
+            except CheckpointError as e:
+                error = e
+            except Exception as e:        # any other failure still ends in the agreement (else the other ranks
+                error, fatal = e, True    # wait for this one until the timeout), then is raised on every rank
+            if coord is not None:
+                error, fatal = agree_outcome(coord, f"{tag}/{i}", step, error, fatal, timeout)
+            if fatal or (error is not None and not substitute):
+                raise error
+            if error is not None:
+                log.warning("cannot resume from step %d, trying an older step: %s", step, error)
+                continue
+            return step, tier
     return None
 
 

@@ -25,7 +25,7 @@ import zstandard
 from .blobs import decompress, digest_bytes, hash_stream
 from .catalog import Catalog, ManifestCache
 from .errors import CheckpointError, CorruptCheckpointError, UploadError
-from .layout import MAX_GENERATION, blob_path, commit_path, manifest_path, pack_path, shards_path
+from .layout import MAX_GENERATION, blob_path, commit_path, manifest_path, pack_path, shards_path, step_dir
 from . import lease
 from .lease import WriterOp, read_epoch
 from .manifest import ChunkRef, Commit, Manifest, encode_commit, encode_manifest
@@ -229,13 +229,20 @@ class StepCopier:
             if key in self.known_dst:
                 return 0
         path = pack_path(pack_id)
-        if self._dst_has(key, path):
-            if self._dst_pack_ok(pack_id, path):
-                return 0
-            with self._lock:
-                self.known_dst.discard(key)
         local = self.src.local_path(path)
         size = self.src.size(path) if local is not None else None
+        # A small pack bound for a remote with create-only writes is not looked up first (as small blobs, see
+        # _copy_blob): the write itself is conditional, so an absent pack (the common case: a save's packs are
+        # new) costs one request instead of two, a present one a resend of at most STREAM_THRESHOLD bytes.
+        blind = (size is not None and size <= STREAM_THRESHOLD and self.dst.conditional_writes
+                 and self.dst.local_path("") is None)
+        replace = False
+        if not blind and self._dst_has(key, path):
+            if self._dst_pack_ok(pack_id, path):
+                return 0
+            replace = True                            # a damaged local copy: replaced, atomically
+            with self._lock:
+                self.known_dst.discard(key)
         if local is not None and size is not None and size > STREAM_THRESHOLD:
             sent = self._put_verified_file(step, path, local, pack_id, None, "pack", path)
             fetched = sent
@@ -245,7 +252,7 @@ class StepCopier:
             payload = self._read_checked(step, path, "pack", path, lambda: self.src.read_bytes(path, limit=limit),
                                          lambda b: digest_bytes(b, threads=True) == pack_id)
             fetched = len(payload)
-            if self.dst.exists(path):                 # damaged copy found above: replace it, atomically
+            if replace:
                 self.call(lambda: self.dst.write_atomic(path, payload), f"replace pack {pack_id}")
                 wrote = True
             else:
@@ -313,7 +320,7 @@ class StepCopier:
 
     def copy_step(self, step: int, *, ranks=None, marker: str = "write",
                   others_timeout: Optional[float] = None,
-                  source: Optional[Tuple[bytes, Commit]] = None) -> TransferStats:
+                  source: Optional[Tuple[bytes, Commit]] = None, fresh: bool = False) -> TransferStats:
         """Copy one committed step. Raises ``CorruptCheckpointError`` if the source is damaged (nothing of the
         step becomes visible on ``dst``), :class:`~ckptstore.errors.UploadError` past the retry deadline.
 
@@ -323,6 +330,9 @@ class StepCopier:
         marker names (parts copied by other nodes), waiting up to ``others_timeout`` seconds (default: the
         retry deadline) and raising ``UploadError`` naming the missing ranks after that. ``source``: the
         source's commit marker (bytes, decoded) when the caller has just read it (one request fewer).
+        ``fresh`` (with ``"after_all"``): the caller knows ``dst`` held nothing under this step's prefix before
+        this job's uploaders wrote there, so a manifest listed with the size the marker records is the one the
+        marker names and is not read back (see :meth:`_await_other_parts`).
 
         The copy is registered as in flight on ``dst`` (and on ``src`` with ``mark_src``), so a gc there waits
         for it (see :mod:`ckptstore.lease`); after a gc on ``dst`` what we knew of its objects is dropped."""
@@ -335,7 +345,7 @@ class StepCopier:
                 with self._lock:
                     self.known_dst.clear()
                 self._dst_epoch = epoch
-            return self._copy_step(step, ranks, marker, others_timeout, source)
+            return self._copy_step(step, ranks, marker, others_timeout, source, fresh)
         finally:
             for op in ops:
                 try:
@@ -370,7 +380,7 @@ class StepCopier:
                     self._calls.submit(other.end)      # may do I/O on a stalled server: not on this thread
 
     def _copy_step(self, step: int, ranks=None, marker: str = "write", others_timeout=None,
-                   source=None) -> TransferStats:
+                   source=None, fresh: bool = False) -> TransferStats:
         t0 = time.perf_counter()
         commit_bytes, commit, manifests = self.read_step(step, ranks, source)
         blobs, packs, pack_ends = {}, set(), {}
@@ -383,6 +393,9 @@ class StepCopier:
                     packs.add(c.pack)
                     pack_ends[c.pack] = max(pack_ends.get(c.pack, 0), c.offset + c.stored)
                     ranges.setdefault(c.pack, {})[(c.offset, c.stored)] = c
+        if marker == "skip":                      # a node's parts: rank 0's node uploads what it shares with them
+            for b in self._rank0_uploads(step, commit, manifests):
+                blobs.pop(b, None)
         stats = TransferStats(step=step, blobs_total=len(blobs) + len(packs))
         for _ in range(10):
             self._disturbed = False
@@ -400,7 +413,7 @@ class StepCopier:
                 self.call(lambda: self.dst.write_atomic(path, shard_map), f"write {path}")
             if not self._disturbed:
                 if marker == "after_all":
-                    self._await_other_parts(step, commit, {r for r, _, _ in manifests}, others_timeout)
+                    self._await_other_parts(step, commit, {r for r, _, _ in manifests}, others_timeout, fresh)
                 if marker != "skip":
                     self.call(lambda: self.dst.write_atomic(commit_path(step), marker_bytes),
                               f"write commit of step {step}")
@@ -418,6 +431,37 @@ class StepCopier:
             raise UploadError(f"step {step}: the destination kept failing while its blobs were checked")
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def _rank0_uploads(self, step: int, commit: Commit, manifests) -> Set[str]:
+        """The blobs of a node's parts that rank 0's node uploads itself, so that the two never write one object
+        name at once (issue 19: data-parallel replicas of a value saved without ``replicated=`` sent each of its
+        blobs once per node, all at the same time): blobs referenced here only by plain (not sharded) values
+        that the step's shard map does not call rank-local. Such a value has the same signature, chunk ids
+        included, on every rank (FORMAT.md "Shard map"), so rank 0's manifest names the same blobs, and rank 0's
+        uploader puts them on the remote before its commit marker. Packs are left alone (a pack's name is the
+        digest of the whole file, which differs between ranks that packed other chunks beside the shared ones).
+        Empty (upload everything, as before) without a readable map, with rank 0's parts here, or when the map
+        could not tell rank-local paths."""
+        if commit.shards is None or any(r == 0 for r, _, _ in manifests):
+            return set()
+        try:
+            rank_local = self.src_catalog.read_shard_map(commit).rank_local
+        except CheckpointError as e:
+            log.info("step %d: shard map unreadable (%s): this node uploads every blob its parts name", step, e)
+            return set()
+        if rank_local is None:
+            return set()
+        shared, own = set(), set()
+        for _, _, m in manifests:
+            rep = set(m.replicated)
+            for n in m.nodes:
+                if n.kind not in ("tensor", "ndarray", "npscalar", "dtensor"):
+                    continue
+                ids = {c.blob_id for c in n.payload.chunks if c.pack is None}
+                plain = (n.kind != "dtensor" and n.path and n.path[0] not in rep
+                         and not any(tuple(n.path[:len(q)]) == tuple(q) for q in rank_local))
+                (shared if plain else own).update(ids)
+        return shared - own
 
     # -- ranged pulls -------------------------------------------------------------------------------------------
     def _ranged_packs(self, packs, ranges, pack_ends) -> Set[str]:
@@ -500,19 +544,36 @@ class StepCopier:
             writes.append((manifest_path(step, rank, entries[rank][2]), data))
         return writes, encode_commit(dataclasses.replace(commit, manifests=entries))
 
-    def _await_other_parts(self, step: int, commit: Commit, copied, timeout: Optional[float]) -> None:
+    def _await_other_parts(self, step: int, commit: Commit, copied, timeout: Optional[float],
+                           fresh: bool = False) -> None:
         """Wait until ``dst`` holds the manifest of every rank not in ``copied`` (uploaded by the nodes that
         hold them), each matching the digest in the commit marker. Its blobs and packs were written before it
-        (every node's upload order), so the step is then complete on ``dst``."""
+        (every node's upload order), so the step is then complete on ``dst``.
+
+        Each round costs one listing of the step's prefix with sizes (S3: one LIST per 1,000 objects) and one
+        bounded GET per manifest that newly appears there with the size the marker records, read once and
+        checked against its digest (a manifest of an earlier, uncommitted attempt at this step may sit under
+        the same name): issue 19 measured one HEAD and one GET per other rank, again every round. ``fresh``:
+        no earlier attempt can have left anything under the step's prefix (the uploader saw no such prefix when
+        it listed the remote, and has not failed, truncated or deleted since): a listed manifest of the right
+        size is this attempt's, written by its node after that node verified it against the marker's digest,
+        and is not read back; a save then costs rank 0 one LIST per round (per 1,000 ranks) whatever the
+        number of ranks. Storages that cannot list sizes are read rank by rank, one bounded GET each."""
         deadline = time.monotonic() + (self.retry.deadline if timeout is None else timeout)
         missing = sorted(set(commit.manifests) - set(copied))
         delay = 0.05
         while missing:
+            listed = self.call(lambda: self.dst.list_sizes(step_dir(step)), f"list step {step} of {self.dst.url}")
             for r in list(missing):
                 digest, size, gen = commit.manifests[r]
                 path = manifest_path(step, r, gen)
+                if listed is not None and listed.get(path.rsplit("/", 1)[1]) != size:
+                    continue                       # not there yet (or not yet the bytes the marker names)
+                if listed is not None and fresh:
+                    missing.remove(r)
+                    continue
                 try:
-                    data = self.call(lambda p=path: self.dst.read_bytes(p), f"read {path}")
+                    data = self.call(lambda p=path, n=size: self.dst.read_bytes(p, limit=n + 1), f"read {path}")
                 except FileNotFoundError:
                     continue
                 if len(data) == size and digest_bytes(data) == digest.hex():
@@ -575,11 +636,17 @@ class StepCopier:
         with self._lock:
             self.known_dst.clear()
 
-    def remember_dst_step(self, step: int) -> None:
-        """Add the blobs of a step already committed on ``dst`` to ``known_dst`` (one manifest read per rank)."""
+    def remember_dst_step(self, step: int, ranks=None) -> None:
+        """Add the blobs of a step already committed on ``dst`` to ``known_dst`` (one manifest read per rank).
+        ``ranks="present"``: only the ranks whose manifest of ``step`` the source holds (a node-local root: the
+        parts this copier will upload; issue 19: rank 0's uploader read every rank's manifest at each start)."""
         try:
             commit = self.dst_catalog.read_commit(step)
-            for rank in commit.manifests:
+            wanted = list(commit.manifests)
+            if ranks == "present" and self.src_catalog.is_committed(step):
+                wanted = [r for r, (_, _, g) in commit.manifests.items()
+                          if self.src.exists(manifest_path(step, r, g))]
+            for rank in wanted:
                 m = self.dst_catalog.read_manifest(commit, rank)
                 with self._lock:
                     self.known_dst |= {("blob", b) for b in m.blob_ids()} | {("pack", p) for p in m.pack_ids()}

@@ -75,6 +75,12 @@ class Uploader:
         self._deleting = False
         #: newest committed step on the remote as far as this uploader knows (None: none, or not derived yet)
         self.remote_newest: Optional[int] = None
+        # Steps above this one are "fresh": their remote prefix did not exist when the remote was listed, and no
+        # upload of them failed, nor was anything truncated or deleted since, so whatever is under them was
+        # written by this job's uploaders for the step's current commit (rank 0 then trusts a listing of the
+        # other ranks' manifests, see StepCopier._await_other_parts). None: not derived yet (nothing is fresh).
+        self._verify_upto: Optional[int] = None
+        self._highest = -1                           # the newest step this uploader was ever given
         self._thread = threading.Thread(target=self._run, name="ckptstore-upload", daemon=True)
         self._start_lock = threading.Lock()
         if start:
@@ -108,7 +114,7 @@ class Uploader:
         budget = min(self.copier.retry.op_timeout, REWIND_LIST_SECONDS)
         once = RetryPolicy(deadline=budget, op_timeout=budget)
         try:
-            steps = self.copier.call(lambda: Catalog(self.remote).committed_steps(),
+            steps = self.copier.call(lambda: Catalog(self.remote).newest_committed()[0][:1],
                                      f"list steps of {self.remote.url}", policy=once)
         except Exception as e:
             log.warning("could not list %s within %.0f s to check the step against its newest (%s: %s): judged "
@@ -116,12 +122,13 @@ class Uploader:
                         type(e).__name__, e)
             self._listed = (None,)
             return None
-        self._listed = (steps[-1] if steps else None,)
+        self._listed = (steps[0] if steps else None,)
         return self._listed[0]
 
     def enqueue(self, step: int) -> None:
         self.start()
         with self._cond:
+            self._highest = max(self._highest, step)
             if step not in self._queue and step != self._current:
                 self._queue.append(step)
                 self._queue.sort()
@@ -137,6 +144,7 @@ class Uploader:
         uploads. A failure is raised like an upload's (next ``save`` / ``wait_for_uploads`` / ``close``)."""
         self.start()
         with self._cond:
+            self._taint(step)
             if step in self._queue:
                 self._queue.remove(step)
             if step not in self._deletes:
@@ -197,6 +205,7 @@ class Uploader:
     def truncate_remote(self, after: int) -> List[int]:
         """Delete the remote's committed steps newer than ``after`` and move its latest pointer back (see
         :func:`truncate_steps`), each request under the retry policy. Call inside :meth:`paused`."""
+        self._taint()
         dropped, newest = truncate_steps(self.remote, after, call=self.copier.call)
         self.remote_newest = newest
         return dropped
@@ -216,19 +225,25 @@ class Uploader:
 
     # -- the thread -----------------------------------------------------------------------------------------
     def _derive(self) -> None:
-        """Pending steps = local committed steps newer than the remote's newest committed step."""
-        remote_steps = self.copier.call(lambda: Catalog(self.remote).committed_steps(), "list remote steps")
+        """Pending steps = local committed steps newer than the remote's newest committed step (found from the
+        remote's latest pointer: :meth:`Catalog.newest_committed`, a few requests whatever the number of steps)."""
+        seen: List[int] = []
+        newest = self.copier.call(lambda: Catalog(self.remote).newest_committed(seen)[0][:1], "list remote steps")
         if self._lease is None and not self.parts_only:
             # one job uploads into a remote root: a second is refused, naming us (the other nodes of this job
             # upload parts only, under rank 0's lease)
             self._lease = acquire_writer(self.remote, job=self.local.url)
-        newest_remote = remote_steps[-1] if remote_steps else None
+        newest_remote = newest[0] if newest else None
         self.remote_newest = newest_remote
         if newest_remote is not None:
-            self.copier.remember_dst_step(newest_remote)
+            # what the remote holds of the parts this root uploads (its own ranks' manifests: not every rank's)
+            self.copier.remember_dst_step(newest_remote, ranks="present")
         local_steps = Catalog(self.local).committed_steps()
         todo = [s for s in local_steps if newest_remote is None or s > newest_remote]
         with self._cond:
+            self._highest = max([self._highest] + todo)
+            self._verify_upto = max(seen + [self._highest if self._verify_upto is not None else -1,
+                                            self._verify_upto if self._verify_upto is not None else -1])
             for s in todo:
                 if s not in self._queue:
                     self._queue.append(s)
@@ -286,7 +301,8 @@ class Uploader:
                     if self.parts_only:
                         stats = self.copier.copy_step(step, ranks="present", marker="skip")
                     else:
-                        stats = self.copier.copy_step(step, ranks="present", marker="after_all")
+                        fresh = self._verify_upto is not None and step > self._verify_upto
+                        stats = self.copier.copy_step(step, ranks="present", marker="after_all", fresh=fresh)
                         self.copier.call(lambda: advance_latest(self.remote, step),
                                          f"advance remote latest to {step}")
                     self.uploaded.append(stats)
@@ -301,6 +317,13 @@ class Uploader:
             except BaseException as e:
                 self._fail(e, step)
 
+    def _taint(self, step: Optional[int] = None) -> None:
+        """No step this uploader has been given so far (nor ``step``) is fresh any more: a failed, truncated or
+        deleted upload may have left parts under its prefix that a later commit of the same step would not
+        name. Their manifests are then read back and checked against the marker's digests."""
+        self._verify_upto = max(self._highest, step if step is not None else -1,
+                                self._verify_upto if self._verify_upto is not None else -1)
+
     def _fail(self, e: BaseException, step: Optional[int] = None) -> None:
         what = f"upload of step {step}" if step is not None else "upload start-up"
         detail = str(e) if isinstance(e, UploadError) else f"{type(e).__name__}: {e}"
@@ -310,6 +333,7 @@ class Uploader:
         log.error("%s", e)
         self.copier.forget_dst()
         with self._cond:
+            self._taint(step)
             self._error = e
             if step is not None and step not in self._queue:
                 self._queue.insert(0, step)

@@ -3,7 +3,8 @@
 It forwards connections to an upstream server (moto) and, while ``faults`` is on, gives each new connection one
 fate drawn from a seeded generator:
 * ``reset``: the connection is closed before anything is forwarded (a reset before the request);
-* ``slowdown``: the request is answered ``503 SlowDown`` by the proxy itself (S3's throttling answer);
+* ``slowdown``: the request is answered ``503 SlowDown`` by the proxy itself (S3's throttling answer), or
+  ``429 Too Many Requests`` with ``slowdown_status=429`` (GCS's, and some S3-compatible servers');
 * ``lost``: the request reaches the server, which applies it, and the connection is reset as the answer
   starts to come back (the client never sees it and retries a write that already landed);
 * ``stall``: the request is held for ``stall_seconds`` with no answer, then the connection is closed;
@@ -25,8 +26,10 @@ from typing import Optional
 class FaultProxy:
     FATES = ("reset", "slowdown", "lost", "stall", "ok")
 
-    def __init__(self, upstream_port: int, *, seed: int = 0, weights=(2, 2, 2, 1, 6), stall_seconds: float = 3.0):
+    def __init__(self, upstream_port: int, *, seed: int = 0, weights=(2, 2, 2, 1, 6), stall_seconds: float = 3.0,
+                 slowdown_status: int = 503):
         self.upstream_port = upstream_port
+        self.slowdown_status = slowdown_status
         self.rng = random.Random(seed)
         self.weights = weights
         self.stall_seconds = stall_seconds
@@ -75,12 +78,12 @@ class FaultProxy:
                 length = re.search(rb"(?i)\r\ncontent-length:\s*(\d+)", data[:max(head_end, 0)])
                 if head_end >= 0 and length and int(length.group(1)) >= 64:
                     skip, start = 32, head_end + 4
+                    self.corrupt_bodies -= 1            # taken now: two answers in flight never both flip
             if skip is not None:
                 if len(data) - start > skip:
                     i = start + skip
                     data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:]
                     skip = None
-                    self.corrupt_bodies -= 1
                     self.counts["corrupt"] += 1
                 else:
                     skip -= len(data) - start
@@ -95,9 +98,15 @@ class FaultProxy:
                 return _reset(cw)
             if fate == "slowdown":
                 await cr.read(65536)
-                cw.write(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: 95\r\n"
-                         b"Connection: close\r\n\r\n<Error><Code>SlowDown</Code><Message>Please reduce your "
-                         b"request rate.</Message></Error>")
+                if self.slowdown_status == 429:
+                    body = (b"<Error><Code>TooManyRequests</Code><Message>Please reduce your request rate."
+                            b"</Message></Error>")
+                    cw.write(b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/xml\r\n"
+                             b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+                else:
+                    cw.write(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: 95\r\n"
+                             b"Connection: close\r\n\r\n<Error><Code>SlowDown</Code><Message>Please reduce your "
+                             b"request rate.</Message></Error>")
                 await cw.drain()
                 return cw.close()
             if fate == "stall":

@@ -104,6 +104,16 @@ class Storage(ABC):
     def listdir(self, path: str) -> List[str]:
         """Names (not paths) directly under directory/prefix ``path``; ``[]`` if there is none."""
 
+    def listdir_after(self, path: str, after: str) -> List[str]:
+        """The names :meth:`listdir` gives that sort after ``after`` (object stores ask the server for only
+        those: one LIST request however many names sort before ``after``)."""
+        return [n for n in self.listdir(path) if n > after]
+
+    def list_sizes(self, path: str) -> Optional[dict]:
+        """Every file directly under ``path`` with its size, ``{name: bytes}``, in as few requests as the storage
+        allows (one LIST per 1,000 names on S3); ``None`` where the storage cannot tell sizes in a listing."""
+        return None
+
     @abstractmethod
     def delete(self, path: str) -> None:
         """Remove one file; a missing file is not an error."""

@@ -163,6 +163,8 @@ class FsspecStorage(Storage):
         if not self.conditional_writes:
             return super().read_versioned(path)
         full = self._p(path)
+        if self._protocol in ("s3", "s3a"):
+            return self._s3_get_versioned(full)
         try:
             info = self.fs.info(full)          # token first: if the object changes before the read, the
             data = self.fs.cat_file(full)      # conditional write with this (older) token fails, as it must
@@ -171,6 +173,24 @@ class FsspecStorage(Storage):
         if self._protocol in ("s3", "s3a"):
             return data, info.get("ETag") or info.get("etag")
         return data, info.get("generation")
+
+    def _s3_get_versioned(self, full: str):
+        """One GET: the object's bytes and the ETag of exactly those bytes (issue 19: ``fs.info`` + ``cat_file``
+        cost a HEAD and a GET, and ``info`` of a missing key LISTs it as a "directory" too: three requests for
+        every lease, pointer and in-flight marker read, one per save and uploader)."""
+        from fsspec.asyn import sync
+        bucket, key, _ = self.fs.split_path(full)
+
+        async def get():
+            resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
+            try:
+                return await resp["Body"].read(), resp.get("ETag")
+            finally:
+                resp["Body"].close()
+        try:
+            return sync(self.fs.loop, get)
+        except FileNotFoundError:
+            return None, None
 
     def write_if_match(self, path: str, data: Buffer, token) -> bool:
         if token is None:
@@ -234,6 +254,40 @@ class FsspecStorage(Storage):
             e = e.rstrip("/")
             names.append(e[len(base) + 1:] if e.startswith(base + "/") else posixpath.basename(e))
         return sorted(n for n in names if n and "/" not in n)
+
+    def listdir_after(self, path: str, after: str) -> List[str]:
+        """S3: one ListObjectsV2 from ``StartAfter`` (a page per 1,000 names after ``after``, none for those
+        before it: resume and the uploader's start find the steps newer than the latest pointer's in one
+        request however many steps the store holds); other backends: :meth:`listdir`, filtered."""
+        if self._protocol not in ("s3", "s3a"):
+            return super().listdir_after(path, after)
+        bucket, key, _ = self.fs.split_path(self._p(path))
+        prefix = key.rstrip("/") + "/" if key else ""
+        names, kw = [], dict(Bucket=bucket, Prefix=prefix, Delimiter="/", StartAfter=f"{prefix}{after}~")
+        while True:
+            resp = self.fs.call_s3("list_objects_v2", **kw)
+            names += [c["Prefix"][len(prefix):].rstrip("/") for c in resp.get("CommonPrefixes", [])]
+            names += [o["Key"][len(prefix):] for o in resp.get("Contents", [])]
+            if not resp.get("IsTruncated"):
+                break
+            kw["ContinuationToken"] = resp["NextContinuationToken"]
+            kw.pop("StartAfter", None)
+        return sorted(n for n in names if n and "/" not in n and n > after)
+
+    def list_sizes(self, path: str) -> Optional[dict]:
+        """S3: ListObjectsV2 of the prefix (a page per 1,000 objects), names with their sizes."""
+        if self._protocol not in ("s3", "s3a"):
+            return None
+        bucket, key, _ = self.fs.split_path(self._p(path))
+        prefix = key.rstrip("/") + "/" if key else ""
+        out, kw = {}, dict(Bucket=bucket, Prefix=prefix, Delimiter="/")
+        while True:
+            resp = self.fs.call_s3("list_objects_v2", **kw)
+            for o in resp.get("Contents", []):
+                out[o["Key"][len(prefix):]] = int(o["Size"])
+            if not resp.get("IsTruncated"):
+                return out
+            kw["ContinuationToken"] = resp["NextContinuationToken"]
 
     def delete(self, path: str) -> None:
         try:

@@ -18,6 +18,7 @@ from typing import Any
 from ..retry import RetryPolicy
 
 READS = frozenset({"read_bytes", "read_into", "read_range_into", "read_range_scatter", "size", "exists",
+                   "listdir_after", "list_sizes",
                    "listdir", "mtime"})
 
 

@@ -1,0 +1,79 @@
+"""One rank of a tiny job that saves to / resumes from a loopback S3 remote through the request-counting proxy
+(tests/countproxy.py), launched like torchrun (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT) by
+tests/test_request_budget.py and benchmarks/bench_requests.py.
+
+``--store`` may hold ``{node}`` (= rank // ``--per-node``): node-local roots shared by the ranks of one "node".
+State per rank: ``w`` (1 KiB, different on every rank and every step: new bytes at each save) and ``shared``
+(the same ``--shared-kib`` KiB on every rank, never changing: data-parallel replicas of one value). Each rank
+also keeps a ``step`` counter.
+
+Modes: ``save``: resume, then save steps ``start+1 .. --steps``; after each save every rank waits for its
+uploads, the ranks meet, and rank 0 marks ``save<step>`` on the proxy. ``resume``: resume (rank 0 marks
+``resumed`` once every rank has), then wait for the uploader's start-up work and mark ``settled``. Rank 0
+prints ``RESULT {...}`` with the step resumed.
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from countproxy import mark  # noqa: E402
+
+from ckptstore import Remote, Store  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", required=True, choices=["save", "resume"])
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--remote", required=True)
+    ap.add_argument("--so", required=True, help="storage options (JSON); endpoint_url is the proxy's")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--per-node", type=int, default=4)
+    ap.add_argument("--shared-kib", type=int, default=64)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    so = json.loads(args.so)
+    endpoint = so["endpoint_url"]
+    root = args.store.replace("{node}", str(rank // args.per_node)).replace("{rank}", str(rank))
+    store = Store(root, remote=Remote(args.remote), storage_options=so, collective_timeout=120)
+    g = torch.Generator().manual_seed(1234)
+    shared = torch.randn(args.shared_kib * 256, generator=g)
+    state = {"w": torch.zeros(256), "shared": shared.clone(), "step": 0}
+    start = store.resume(state) or 0
+    # every rank got its own values back (a failed check exits non-zero: the launcher raises)
+    assert torch.equal(state["shared"], shared), rank
+    assert start == 0 or torch.equal(state["w"], torch.full((256,), float(start * 1000 + rank))), rank
+    out = {"rank": rank, "resumed": start, "tier": (store.resumed_from or {}).get("tier")}
+    dist.barrier()
+    if rank == 0:
+        mark(endpoint, "resumed")
+    if args.mode == "resume":
+        store.wait_for_uploads(120)
+        dist.barrier()
+        if rank == 0:
+            mark(endpoint, "settled")
+    else:
+        for step in range(start + 1, args.steps + 1):
+            state["w"] = torch.full((256,), float(step * 1000 + rank))
+            state["step"] = step
+            store.save(state, step)
+            store.wait_for_uploads(120)
+            dist.barrier()
+            if rank == 0:
+                mark(endpoint, f"save{step}")
+    store.close()
+    print("RESULT " + json.dumps(out), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
