@@ -14,7 +14,6 @@ import hashlib
 import json
 import logging
 import os
-import sys
 import threading
 import time
 
@@ -25,6 +24,7 @@ import torch.nn as nn
 from ckptstore import Packing, Remote, Store, Writing
 from ckptstore.storage.fsspec_storage import FsspecStorage
 from ckptstore.storage.local import LocalStorage
+from dist_worker import finish  # rank 0 hosts the key-value store: leave together, exit at once
 
 COUNT = {"bytes": 0, "paths": {}}
 _lock = threading.Lock()
@@ -170,10 +170,7 @@ def main():
                               seconds=seconds, warnings=list(warnings), resumed_from=store.resumed_from)
             store.close()
     print("RESULT " + json.dumps(out), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    finish()
 
 
 if __name__ == "__main__":

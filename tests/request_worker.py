@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from countproxy import mark  # noqa: E402
 
 from ckptstore import Remote, Store  # noqa: E402
+from dist_worker import finish  # noqa: E402  (leave together, exit at once)
 
 
 def main():
@@ -69,10 +70,7 @@ def main():
                 mark(endpoint, f"save{step}")
     store.close()
     print("RESULT " + json.dumps(out), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    finish()
 
 
 if __name__ == "__main__":
