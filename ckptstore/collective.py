@@ -160,7 +160,7 @@ class StoreCoordinator(Coordinator):
             raw = self._kv.multi_get(keys[lo:lo + GATHER_BATCH])
             for i, r in enumerate(raw, lo + 1):
                 self.bytes_received += len(r)
-                take(i, msgpack.unpackb(bytes(r), raw=False))
+                take(i, msgpack.unpackb(r, raw=False))
             del raw
         return out
 

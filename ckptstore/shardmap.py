@@ -261,6 +261,13 @@ class RankLocalFold:
         self.base = np.frombuffer(digests or b"", dtype="<u8")
         self.index = {keys[8 * i: 8 * i + 8]: i for i in range(len(groups))} if keys is not None else {}
         self.differ = np.zeros(len(self.base), dtype=bool)
+        self._pending: List[bytes] = []         # digests of ranks with rank 0's groups, compared 512 at a time
+
+    def _flush(self) -> None:
+        if self._pending:
+            got = np.frombuffer(b"".join(self._pending), dtype="<u8").reshape(len(self._pending), -1)
+            self.differ |= (got != self.base).any(axis=0)
+            self._pending = []
 
     def add(self, keys: Optional[bytes], digests: Optional[bytes]) -> None:
         if self.unknown:
@@ -270,7 +277,9 @@ class RankLocalFold:
             self.unknown = True
             return
         if keys == self.keys:                                   # the common case: same groups, same order
-            self.differ |= np.frombuffer(digests, dtype="<u8") != self.base
+            self._pending.append(digests)
+            if len(self._pending) >= 512:
+                self._flush()
             return
         seen = np.zeros(len(self.base), dtype=bool)
         got = np.frombuffer(digests, dtype="<u8")
@@ -287,6 +296,7 @@ class RankLocalFold:
         """Top-most rank-local paths, ``None`` when unknown."""
         if self.unknown:
             return None
+        self._flush()
         return top_most([self.groups[i] for i in np.flatnonzero(self.differ)])
 
 
