@@ -146,3 +146,19 @@ def test_the_rule_walk_names_exactly_the_ranks_torch_places_overlapping_shards_o
         got_boxes = {tuple(zip(box_of[r][0], box_of[r][1])) for r in got}
         assert got_boxes == want_boxes, (mesh, g, strs, box)            # every overlapping box, no other
         assert len(got) == len(got_boxes)                               # one rank per replicated box
+
+
+def test_a_shard_map_written_before_issue_19_is_still_read():
+    """The older map form (one box per saved rank and key) decodes and selects the same ranks."""
+    from ckptstore.manifest import frame
+    from ckptstore.shardmap import key_hash
+    path = ("model", "w")
+    boxes = [[key_hash(path), [[r, [3 * r, 0], [3, 4]] for r in range(4)]]]
+    data = frame("shards", {"step": 5, "world_size": 4, "boxes": boxes, "rank_local": [["rng"]]})
+    smap = ShardMap.decode(data, step=5, world_size=4, what="shards")
+    assert smap.ranks(path, (12, 4), ((4, 0), (4, 4)), prefer=0) == [1, 2]
+    assert smap.rank_local == [("rng",)]
+    smap.check_rank_keys(2, [path], step=5)
+    with pytest.raises(Exception, match="invalid shard map"):
+        ShardMap.decode(frame("shards", {"step": 5, "world_size": 4, "boxes": [[key_hash(path), [[9, [0, 0], [3, 4]]]]],
+                                         "rank_local": None}), step=5, world_size=4, what="shards")
