@@ -161,17 +161,24 @@ def _same_box(a: Box, b: Box) -> bool:
     return tuple(a[0]) == tuple(b[0]) and tuple(a[1]) == tuple(b[1])
 
 
-def _meshes(m: Manifest) -> Tuple[List[bytes], Dict[int, int]]:
-    """The distinct rank grids of ``m``'s DTensor nodes in order of first use, and id(grid) -> index."""
-    grids: List[bytes] = []
-    index: Dict[int, int] = {}
+def _meshes(m: Manifest) -> Tuple[List[Tuple[Tuple[int, ...], bytes]], Dict[Any, int]]:
+    """The distinct device meshes of ``m``'s DTensor nodes in order of first use, as ``(mesh shape, rank
+    grid)``, and :func:`_mesh_key` -> index. Meshes are told apart by content (shape and ranks), not by object:
+    two DeviceMesh objects of the same ranks are one mesh of the map."""
+    grids: List[Tuple[Tuple[int, ...], bytes]] = []
+    index: Dict[Any, int] = {}
     for n in m.nodes:
         if n.kind == "dtensor":
-            g = n.payload.shard.grid
-            if g is not None and id(g) not in index:
-                index[id(g)] = len(grids)
-                grids.append(g)
+            info = n.payload.shard
+            k = _mesh_key(info)
+            if info.grid is not None and k not in index:
+                index[k] = len(grids)
+                grids.append((tuple(info.mesh), info.grid))
     return grids, index
+
+
+def _mesh_key(info) -> Any:
+    return (tuple(info.mesh), info.grid)
 
 
 def layout(m: Manifest, rank: int) -> Tuple[bytes, bool]:
@@ -180,8 +187,8 @@ def layout(m: Manifest, rank: int) -> Tuple[bytes, bool]:
     its coordinate (``False`` too when a DTensor's mesh grid is unknown or a placement is not walked: no map)."""
     h = hashlib.blake2b(digest_size=8)
     grids, index = _meshes(m)
-    for g in grids:
-        h.update(len(g).to_bytes(8, "little"))
+    for shape, g in grids:
+        h.update(msgpack.packb(list(shape)))
         h.update(hashlib.blake2b(g, digest_size=16).digest())
     ok = True
     coords: Dict[int, Optional[Tuple[int, ...]]] = {}
@@ -192,14 +199,14 @@ def layout(m: Manifest, rank: int) -> Tuple[bytes, bool]:
         info = e.shard
         h.update(key_hash(n.path))
         h.update(msgpack.packb([list(info.global_shape), e.dtype, list(info.mesh), list(info.placements),
-                                index.get(id(info.grid), -1)], use_bin_type=True))
+                                index.get(_mesh_key(info), -1)], use_bin_type=True))
         if not ok:
             continue
         parsed = parse_placements(info.placements)
         if info.grid is None or parsed is None:
             ok = False
             continue
-        mi = index[id(info.grid)]
+        mi = index[_mesh_key(info)]
         if mi not in coords:
             coords[mi] = _coordinate(info.grid, info.mesh, rank)
         c = coords[mi]
@@ -308,15 +315,9 @@ def build_rule(step: int, world_size: int, m: Manifest, rank_local: Optional[Lis
     for n in m.nodes:
         if n.kind == "dtensor":
             info = n.payload.shard
-            keys.append([key_hash(n.path), index[id(info.grid)], list(info.global_shape), list(info.mesh),
+            keys.append([key_hash(n.path), index[_mesh_key(info)], list(info.global_shape), list(info.mesh),
                          list(info.placements)])
-    meshes = []
-    seen_shape: Dict[int, List[int]] = {}
-    for n in m.nodes:
-        if n.kind == "dtensor":
-            seen_shape.setdefault(index[id(n.payload.shard.grid)], list(n.payload.shard.mesh))
-    for i, g in enumerate(grids):
-        meshes.append([seen_shape[i], g])
+    meshes = [[list(shape), g] for shape, g in grids]
     return frame("shards", {"step": step, "world_size": world_size, "rule": 1, "meshes": meshes, "keys": keys,
                             "rank_local": None if rank_local is None else [list(p) for p in rank_local]})
 

@@ -162,3 +162,21 @@ def test_a_shard_map_written_before_issue_19_is_still_read():
     with pytest.raises(Exception, match="invalid shard map"):
         ShardMap.decode(frame("shards", {"step": 5, "world_size": 4, "boxes": [[key_hash(path), [[9, [0, 0], [3, 4]]]]],
                                          "rank_local": None}), step=5, world_size=4, what="shards")
+
+
+def test_device_meshes_are_told_apart_by_their_ranks_not_by_object():
+    """DTensors on distinct DeviceMesh objects of the same ranks (a grid each) make one mesh of the map."""
+    import dataclasses
+
+    import numpy as np
+    from ckptstore.shardmap import build_rule, layout
+    grid = np.arange(16, dtype="<i4").tobytes()
+    m = llama_manifest("tiny", 3, 16, grid)
+    same = llama_manifest("tiny", 3, 16, grid)
+    for n in same.nodes:                                  # a new grid object per DTensor, equal bytes
+        if n.kind == "dtensor":
+            n.payload.shard = dataclasses.replace(n.payload.shard, grid=bytes(bytearray(grid)))
+    assert layout(same, 3) == layout(m, 3) and layout(m, 3)[1] is True
+    data = build_rule(1, 16, same, [])
+    assert data == build_rule(1, 16, m, [])
+    assert len(ShardMap.decode(data, step=1, world_size=16, what="shards")._rule.meshes) == 1
