@@ -19,7 +19,7 @@ import blake3
 import zstandard
 
 from .errors import CorruptCheckpointError
-from .layout import QUARANTINE, blob_path
+from .layout import QUARANTINE, blob_path, pack_path
 
 CODECS = ("raw", "zstd")
 _MT_HASH_BYTES = 16 << 20           # multi-threaded hashing pays only for large buffers
@@ -210,6 +210,54 @@ class BlobStore:
         with self._lock:
             self._dirs.add(path.rsplit("/", 1)[0])
         return codec, (len(payload) if wrote else 0)
+
+    def put_stored(self, blob_id: str, codec: str, read) -> int:
+        """Store a blob whose stored bytes (``read()``, encoded with ``codec``) come from another root of this
+        job (a promotion from the memory tier), unless present and trusted (the rules of :meth:`put`). The bytes
+        are not hashed: the caller vouches for them. Returns bytes written (0 when present)."""
+        present = self.locate(blob_id)
+        if present is not None:
+            if blob_id in self._trusted:
+                return 0
+            if self.judge(blob_id, present) is True:
+                with self._lock:
+                    self._trusted.add(blob_id)
+                return 0
+            self._quarantine(blob_id, present)
+        payload = read()
+        path = blob_path(blob_id, codec)
+        wrote = self.storage.write_new(path, payload)
+        if not wrote and self.judge(blob_id, codec) is not True:
+            self.storage.write_atomic(path, payload)
+            wrote = True
+        self.remember(blob_id, codec)
+        with self._lock:
+            self._trusted.add(blob_id)
+        return len(payload) if wrote else 0
+
+    def put_pack(self, pack_id: str, read) -> int:
+        """Store a pack whose bytes (``read()``) come from another root of this job, unless a whole copy is
+        present (hashed once when this process did not write it). Returns bytes written (0 when present)."""
+        path = pack_path(pack_id)
+        with self._lock:
+            trusted = pack_id in self._trusted
+        if trusted:
+            return 0
+        if self.storage.exists(path):
+            try:
+                ok = digest_bytes(self.storage.read_bytes(path), threads=True) == pack_id
+            except OSError:
+                ok = False
+            if ok:
+                with self._lock:
+                    self._trusted.add(pack_id)
+                return 0
+        payload = read()
+        if not self.storage.write_new(path, payload):
+            self.storage.write_atomic(path, payload)
+        with self._lock:
+            self._trusted.add(pack_id)
+        return len(payload)
 
     def sync(self) -> None:
         """Make the directory entries of the blobs written so far durable (before a manifest names them)."""

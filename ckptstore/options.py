@@ -78,7 +78,9 @@ class Remote:
     from (resume, ``pull``), never to write to it. ``keep_local``: keep at most this many committed steps on
     local disk once they are uploaded (the newest ones; a step not yet uploaded is never removed by this rule);
     ``0``: no local copy of an uploaded step is kept, ``resume`` then pulls from the remote; ``None`` (default):
-    local steps follow ``keep`` alone.
+    local steps follow ``keep`` alone. ``every``: upload only the committed steps that are multiples of it
+    (default 1: every step); with a memory tier (:class:`~ckptstore.memory.Memory`) those are the disk steps
+    that are multiples of it.
     """
     url: str
     workers: int = 8
@@ -86,6 +88,7 @@ class Remote:
     backlog: int = 8
     upload: bool = True
     keep_local: Optional[int] = None
+    every: int = 1
 
     def __post_init__(self):
         if not isinstance(self.url, str) or not self.url:
@@ -96,6 +99,7 @@ class Remote:
             raise TypeError(f"Remote.retry must be a ckptstore.RetryPolicy, got {type(self.retry).__name__}")
         if self.keep_local is not None:
             _count("Remote", "keep_local", self.keep_local, 0)
+        _count("Remote", "every", self.every, 1)
 
     @classmethod
     def of(cls, remote) -> Optional["Remote"]:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 from . import __version__
 from .commit import commit_across_ranks, root_identity
 from .errors import CheckpointError, CorruptCheckpointError
-from .layout import check_step, manifest_path
+from .layout import blob_path, check_step, manifest_path, pack_path
 from .lease import WriterOp, acquire_writer, read_epoch
 from .manifest import ArrayEntry, Commit, Manifest, ManifestNode, check_names, encode_commit
 from .parts import Parts, quiet
@@ -91,10 +91,22 @@ class Saver:
     exclude)``: called after each commit this rank wrote (retention, then a sweep that spares the in-flight
     marker ``exclude``); returns whether the sweep ran, so the saver knows the gc epoch it caused."""
 
-    def __init__(self, parts: Parts, *, on_rewind: str, retain: Callable[[int, float, Optional[str]], bool]):
+    def __init__(self, parts: Parts, *, on_rewind: str, retain: Callable[[int, float, Optional[str]], bool],
+                 before_commit: Optional[Callable[[int, int, Manifest], None]] = None,
+                 write_lock: Callable[[], Any] = contextlib.nullcontext):
         self.p = parts
         self.on_rewind = on_rewind
         self.retain = retain
+        #: called as ``before_commit(step, gen, manifest)`` once this rank's manifest is durable and before the
+        #: ranks agree on the commit (the memory tier's peer replication); an exception fails the step on
+        #: every rank
+        self.before_commit = before_commit
+        #: a context manager held while a save decides what to reuse and writes (chunks, packs, manifest,
+        #: ``before_commit``): the memory tier's node lock, against its sweep (:class:`ckptstore.memory.NodeLock`)
+        self.write_lock = write_lock
+        #: ``(step, gen, manifest)`` of the last save this saver committed (on every rank): what a promotion
+        #: of that step copies
+        self.last_committed: Optional[Tuple[int, int, Manifest]] = None
         self.writer_lease = None                    # locks/writer.json, taken by rank 0 at its first save
         self._op: Optional[WriterOp] = None         # the save in flight's in-flight marker
         self._epoch = None                          # gc epoch seen at the last save (see ckptstore.lease)
@@ -279,7 +291,7 @@ class Saver:
                 self._gen = self._prepare_step(step)
                 # chunk references and manifest nodes: thousands of small objects, no cycles among them; a
                 # collector pass here walked the whole heap (measured: 0.1 s of a 0.17 s small-state save)
-                with gc_paused():
+                with self.write_lock(), gc_paused():
                     refs, stats = write_arrays(p.blobs, specs, chunk_size=w.chunk_size, codec=w.codec,
                                                level=w.zstd_level, executor=pool, packing=w.packing,
                                                index=p.index, buffers=p.pack_buffers)
@@ -288,6 +300,8 @@ class Saver:
                                         stateful=stateful, nodes=_manifest_nodes(nodes, specs, refs),
                                         replicated=self._replicated)
                     digest = p.catalog.write_manifest(manifest, self._gen)
+                    if self.before_commit is not None:
+                        self.before_commit(step, self._gen, manifest)
                 self._check_still_writer()
             except BaseException as e:
                 if tag is not None:                   # tell the other ranks; raises CommitError from e
@@ -300,19 +314,9 @@ class Saver:
             raise
         p.versions.record(specs, refs)
         p.index.replace(r for per_spec in refs for r in per_spec)
+        self.last_committed = (step, self._gen, manifest)
         t_commit = time.perf_counter()
-        if committed and p.uploader is None and p.upload_args is not None:
-            # the lowest rank of a root other than rank 0's (node-local disks) uploads that root's parts
-            p.uploader = Uploader(p.storage, p.remote_storage, parts_only=True, **p.upload_args)
-        if committed:
-            try:
-                if self.retain(step, t0, self._op.token if self._op else None):
-                    self._epoch = read_epoch(p.storage)
-            except Exception as e:          # the step is committed: a failed cleanup must not fail the save
-                log.error("step %d is committed; retention / gc after it failed: %s: %s", step,
-                          type(e).__name__, e)
-            if p.uploader is not None:
-                p.uploader.enqueue(step)
+        self._after_commit(step, committed, t0)
         t_end = time.perf_counter()
         return SaveResult(step=step, bytes_total=stats.bytes_total, bytes_written=stats.bytes_written,
                           blobs_total=stats.blobs_total, blobs_new=stats.blobs_new,
@@ -323,6 +327,60 @@ class Saver:
                                   "blobs": t_blobs - t_start, "commit": t_commit - t_blobs,
                                   "retention": t_end - t_commit, "hash_cpu": stats.hash_seconds,
                                   "write_io": stats.write_seconds})
+
+    def _after_commit(self, step: int, committed: bool, t0: float) -> None:
+        """After ``step`` is committed: the lowest rank of a root other than rank 0's makes that root's parts
+        uploader; a rank that wrote a commit marker applies retention, then queues the step for upload (only a
+        step ``Remote(every=)`` names)."""
+        p = self.p
+        if committed and p.uploader is None and p.upload_args is not None:
+            # the lowest rank of a root other than rank 0's (node-local disks) uploads that root's parts
+            p.uploader = Uploader(p.storage, p.remote_storage, parts_only=True, **p.upload_args)
+        if committed:
+            try:
+                if self.retain(step, t0, self._op.token if self._op else None):
+                    self._epoch = read_epoch(p.storage)
+            except Exception as e:          # the step is committed: a failed cleanup must not fail the save
+                log.error("step %d is committed; retention / gc after it failed: %s: %s", step,
+                          type(e).__name__, e)
+            if p.uploader is not None and (p.remote is None or step % p.remote.every == 0):
+                p.uploader.enqueue(step)
+
+    # -- promotion: a committed step of another root (the memory tier) becomes a step of this one -------------
+    def promote(self, step: int, src, manifest: Manifest, *, metrics: Mapping[str, Any],
+                names: Iterable[str]) -> bool:
+        """Make ``step`` a committed step of this store from this rank's part of it in the store root ``src``
+        (a :class:`~ckptstore.storage.Storage`; the memory tier): the blobs and packs ``manifest`` references
+        are copied as stored, without hashing them again (they were hashed when the memory step was saved, and
+        each replica was verified when it arrived), into this root unless it holds them already (under the
+        rules of dedup by name, FORMAT.md "Write order"); then the manifest (a new generation when the step is
+        committed here already), then the ranks' agreement and the commit marker as for a save, then retention
+        and the upload. Collective under torch.distributed, like ``save``: every rank promotes the same steps in
+        the same order. Returns whether this rank wrote a commit marker. Raises ``CommitError`` on every rank
+        when any rank failed (``CorruptCheckpointError`` / ``OSError`` as its cause)."""
+        p = self.p
+        t0 = time.perf_counter()
+        tag = p.coord.next_tag(f"promote/{step}") if p.coord is not None else None
+        metrics = normalize(metrics or {}, "metrics")
+        try:
+            with p.maint:
+                try:
+                    self._begin_write(step)
+                    self._names = self._check_rewind(step, check_names(names))
+                    self._replicated = list(manifest.replicated)
+                    self._gen = self._prepare_step(step)
+                    copy_part(src, p.storage, p.blobs, manifest)
+                    digest = p.catalog.write_manifest(manifest, self._gen)
+                    self._check_still_writer()
+                except BaseException as e:
+                    if tag is not None:
+                        self._commit(step, None, 0, metrics, tag=tag, error=e)
+                    raise
+                committed = self._commit(step, digest, manifest.bytes_total, metrics, tag=tag, manifest=manifest)
+                self._after_commit(step, committed, t0)
+                return committed
+        finally:
+            self._end_write(self._op)
 
     def _prepare_step(self, step: int) -> int:
         """The manifest generation this save of ``step`` writes: 0 for a new step; for a committed one, one more
@@ -397,6 +455,35 @@ class Saver:
                       bytes_total=bytes_total, metrics=dict(metrics), config=p.config,
                       writer=f"ckptstore {__version__}", run_id=p.run_id,
                       best=p.keep.criterion if p.keep is not None else None, names=self._names)
+
+
+def copy_part(src, dst, blobs, manifest: Manifest) -> int:
+    """Copy the blobs and packs ``manifest`` references from the root ``src`` to the root ``dst`` (whose
+    :class:`~ckptstore.blobs.BlobStore` is ``blobs``) as stored, unless ``dst`` holds them already, then make
+    their directory entries durable. No hashing of bytes this job wrote (see :meth:`Saver.promote`). Returns
+    the bytes written. Raises ``CorruptCheckpointError`` naming an object ``src`` lacks."""
+    written = 0
+    dirs = set()
+    seen = set()
+    for c in manifest.chunk_refs():
+        key = c.pack if c.pack is not None else c.blob_id
+        if key in seen:
+            continue
+        seen.add(key)
+        path = pack_path(c.pack) if c.pack is not None else blob_path(c.blob_id, c.codec)
+        try:
+            if c.pack is None:
+                wrote = blobs.put_stored(c.blob_id, c.codec, lambda path=path: src.read_bytes(path))
+            else:
+                wrote = blobs.put_pack(c.pack, lambda path=path: src.read_bytes(path))
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{'pack' if c.pack else 'blob'} missing from {src.url}",
+                                         step=manifest.step, blob=path) from None
+        if wrote:
+            written += wrote
+            dirs.add(path.rsplit("/", 1)[0])
+    dst.sync(dirs)
+    return written
 
 
 def _manifest_nodes(nodes: List[Node], specs: List[ArraySpec], refs) -> List[ManifestNode]:

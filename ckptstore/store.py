@@ -24,6 +24,7 @@ from .gc import GCReport
 from .loading import Loader
 from .maintenance import Maintenance
 from .manifest import Commit
+from .memory import Memory
 from .options import Remote, Writing
 from .parts import Parts, default_rank_world, local_path
 from .pointers import read_latest
@@ -32,6 +33,7 @@ from .retention import Retention
 from .rewind import ON_REWIND
 from .saving import SaveHandle, SaveResult, Saver
 from .storage import Storage, is_local, open_storage
+from .tiering import MemoryTier
 from .upload import Uploader, leads_other_root
 
 log = logging.getLogger("ckptstore")
@@ -101,6 +103,13 @@ class Store:
             one key ``load_components`` names); see :mod:`ckptstore.hub`.
         load_components: take only these top-level keys from ``load_path`` (e.g. ``("model",)`` for
             weights-only fine-tuning); the other entries of ``state`` keep their fresh values.
+        memory: a :class:`~ckptstore.memory.Memory`: a RAM-backed tier in front of ``root`` (the disk) and the
+            remote, with its own cadence, capacity and peer replication (see :mod:`ckptstore.tiering`). Saves
+            then go to memory (``save`` of a step due for no tier returns ``None``); every ``disk_every``-th
+            memory step is promoted to ``root`` in the background, and the remote receives the disk steps
+            ``Remote(every=)`` names. ``resume`` / ``resolve`` look at memory first (this node's, then the
+            peers'), then disk, remote and ``load_path``. Collective to construct when it replicates (it makes
+            a gloo group of its own). Not with ``read_only``.
         read_only: open the store to read only (a rank that only loads, a second process inspecting a run):
             no uploader, no writer lease, no retention; a step only the remote holds is read straight from it,
             never pulled into ``root``. :meth:`save`, :meth:`pull`, :meth:`gc` and :meth:`delete_step` raise
@@ -113,13 +122,18 @@ class Store:
                  storage_options: Optional[Mapping[str, Any]] = None, keep: Optional[Retention] = None,
                  writing: Optional[Writing] = None, load_path: Optional[str] = None,
                  load_components: Optional[Iterable[str]] = None, collective_timeout: float = 600.0,
-                 on_rewind: str = "error", read_only: bool = False, create: bool = True):
+                 on_rewind: str = "error", read_only: bool = False, create: bool = True,
+                 memory: Optional[Memory] = None):
         writing = writing if writing is not None else Writing()
         if not isinstance(writing, Writing):
             raise TypeError(f"writing must be a ckptstore.Writing, got {type(writing).__name__}")
         remote = Remote.of(remote)
         if keep is not None and not isinstance(keep, Retention):
             raise TypeError(f"keep must be a ckptstore.Retention, got {type(keep).__name__}")
+        if memory is not None and not isinstance(memory, Memory):
+            raise TypeError(f"memory must be a ckptstore.Memory, got {type(memory).__name__}")
+        if memory is not None and read_only:
+            raise ValueError("memory= is for a store that saves: not with read_only=True")
         if on_rewind not in ON_REWIND:
             raise ValueError(f"on_rewind must be one of {ON_REWIND}, got {on_rewind!r}")
         self.rank, self.world_size = default_rank_world(rank, world_size)
@@ -146,7 +160,7 @@ class Store:
         self.pulled = self._maintenance.pulled      # what each pull into this root did, oldest first
         if remote is not None and remote.upload and not p.read_only:
             p.upload_args = dict(workers=remote.workers, retry=remote.retry, max_backlog=remote.backlog,
-                                 on_uploaded=self._maintenance.after_upload)
+                                 on_uploaded=self._maintenance.after_upload, every=remote.every)
             # started after resume() (or at the first save / wait / close): see Uploader.start. One uploader per
             # store root: rank 0's, and a parts-only one for each other root, started by its lowest rank at its
             # first commit (see ckptstore.saving), or now when this root already shows it is such a root (a
@@ -155,6 +169,12 @@ class Store:
                 p.uploader = Uploader(storage, p.remote_storage, start=False, **p.upload_args)
             elif leads_other_root(p.catalog, storage, self.rank):
                 p.uploader = Uploader(storage, p.remote_storage, parts_only=True, start=False, **p.upload_args)
+        self.memory = memory
+        self._tier: Optional[MemoryTier] = None
+        if memory is not None:
+            self._tier = MemoryTier(memory, disk=p, disk_saver=self._saver, disk_loader=self._loader,
+                                    writing=writing, config=config, config_may_change=config_may_change,
+                                    on_rewind=on_rewind)
 
     @property
     def resumed_from(self) -> Optional[Dict[str, Any]]:
@@ -218,11 +238,17 @@ class Store:
         Raises ``TypeError`` naming the key path of an unsupported value before anything is written;
         ``OSError`` from the disk (the step then stays invisible); ``CommitError`` as above.
         """
+        if self._tier is not None:
+            return self._tier.save(state, step, metrics=metrics, blocking=blocking, names=names,
+                                   replicated=replicated)
         return self._saver.save(state, step, metrics=metrics, blocking=blocking, names=names, replicated=replicated)
 
     def wait(self, timeout: Optional[float] = None) -> Optional[SaveResult]:
         """Wait for the non-blocking save in flight, if any, and return its result (``None`` if there is none).
-        Raises its error if nobody has seen it yet."""
+        Raises its error if nobody has seen it yet. With ``memory``: the memory save (promotions to disk go on
+        in the background, as uploads do: :meth:`wait_for_uploads` waits for both)."""
+        if self._tier is not None:
+            return self._tier.wait(timeout)
         return self._saver.wait(timeout)
 
     @_guard()
@@ -232,6 +258,8 @@ class Store:
         Raises :class:`~ckptstore.errors.UploadError` when an upload failed (after its retries / deadline) or
         ``timeout`` seconds passed. A no-op without ``remote``."""
         self.wait(timeout)
+        if self._tier is not None:
+            self._tier.wait_for_promotions(timeout)
         if self._parts.uploader is not None:
             self._parts.uploader.wait(timeout)
 
@@ -289,6 +317,8 @@ class Store:
         marker read per tier; chunks are verified by the load itself (:meth:`restore` still falls back to
         an older step if they are damaged). Under torch.distributed it is collective: rank 0 decides and every
         rank gets its answer."""
+        if self._tier is not None:
+            return self._tier.resolve(self._loader.resolve)
         return self._loader.resolve()
 
     @_guard()
@@ -345,6 +375,8 @@ class Store:
         damaged and no valid step remains to load into them.
         """
         self.wait()
+        if self._tier is not None:
+            return self._tier.resume(state, strict=strict, rank_local=rank_local, fallback=self._loader.resume)
         return self._loader.resume(state, strict=strict, rank_local=rank_local)
 
     # -- maintenance --------------------------------------------------------------------------------------
@@ -399,6 +431,8 @@ class Store:
             return
         try:
             try:
+                if self._tier is not None:
+                    self._tier.close()
                 self.wait()
             finally:
                 try:

@@ -53,8 +53,9 @@ class Uploader:
 
     def __init__(self, local, remote, *, workers: int = 8, retry: Optional[RetryPolicy] = None,
                  max_backlog: int = 8, on_uploaded: Optional[Callable[[int], None]] = None,
-                 parts_only: bool = False, start: bool = True):
+                 parts_only: bool = False, start: bool = True, every: int = 1):
         self.local, self.remote = local, remote
+        self.every = max(1, int(every))              # only steps that are multiples of it are uploaded
         self.parts_only = parts_only
         self.copier = StepCopier(local, remote, workers=workers, retry=retry, mark_src=True)
         self.retry = self.copier.retry
@@ -239,7 +240,7 @@ class Uploader:
             # what the remote holds of the parts this root uploads (its own ranks' manifests: not every rank's)
             self.copier.remember_dst_step(newest_remote, ranks="present")
         local_steps = Catalog(self.local).committed_steps()
-        todo = [s for s in local_steps if newest_remote is None or s > newest_remote]
+        todo = [s for s in local_steps if (newest_remote is None or s > newest_remote) and s % self.every == 0]
         with self._cond:
             self._highest = max([self._highest] + todo)
             self._verify_upto = max(seen + [self._highest if self._verify_upto is not None else -1,
