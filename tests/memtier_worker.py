@@ -65,6 +65,7 @@ def main():
     ap.add_argument("--capacity-mib", type=int, default=64)
     ap.add_argument("--node-size", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=20.0)
+    ap.add_argument("--collective-timeout", type=float, default=60.0)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--log", required=True)
     ap.add_argument("--hold-after", type=int, default=0)
@@ -97,7 +98,7 @@ def main():
 
     remote = Remote(args.remote, every=args.remote_every) if args.remote else None
     store = Store(disk, rank=rank, world_size=world, remote=remote, storage_options=json.loads(args.so),
-                  keep=Retention(last=2), collective_timeout=60,
+                  keep=Retention(last=2), collective_timeout=args.collective_timeout,
                   memory=Memory(mem, every=1, disk_every=args.disk_every, capacity=args.capacity_mib << 20,
                                 keep=args.mem_keep, replicas=1, node_size=args.node_size, timeout=args.timeout))
     start = store.resume(state) or 0

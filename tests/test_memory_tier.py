@@ -353,7 +353,7 @@ def test_peer_killed_during_replication_leaves_step_uncommitted(tmp_path, tmpfs_
         (tmp_path / f"disk{n}").mkdir()
     (tmp_path / "log").mkdir()
     job = Job(4, "--disk", f"{tmp_path}/disk{{node}}", "--mem", f"{tmp_path}/mem{{node}}", "--log",
-              str(tmp_path / "log"), "--die-at", str(k), "--die-rank", "3", "--timeout", "8", script=WORKER)
+              str(tmp_path / "log"), "--die-at", str(k), "--die-rank", "3", "--timeout", "8", "--collective-timeout", "15", script=WORKER)
     res = job.wait(120)                # raises (and kills the job) if anything hangs past the deadline
     out = outputs(job)
     assert job.procs[3].returncode == -9 and f"dying: step {k}: sending" in job.outputs[3], out
