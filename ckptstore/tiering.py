@@ -327,6 +327,7 @@ class MemoryTier:
         the nodes, rebuilt where a node lost it; else ``fallback`` (the disk store's resume). Memory steps
         newer than the step a fallback resumed are dropped (a new timeline starts there)."""
         self.saver.wait()
+        self.wait_for_promotions()           # they use the disk store's collectives: none may run beside resume
         choice = self.choose()
         found = choice.get("found") if self.p.coord is not None else choice
         leaders = choice.get("leaders", [0]) if self.p.coord is not None else [0]
