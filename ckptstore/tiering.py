@@ -166,11 +166,19 @@ class MemoryTier:
     def wait_for_promotions(self, timeout: Optional[float] = None) -> None:
         """Block until every queued promotion ran; raise a failed one's error once."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        self.saver.wait(timeout)
         while True:
             with self._lock:
-                futs = [f for f in self._promoting.values() if f is not None]
-            if not futs:
+                entries = list(self._promoting.values())
+            if not entries:
                 break
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"promotions to {self.disk.root} still running after {timeout} s")
+            futs = [f for f in entries if f is not None]
+            if len(futs) < len(entries):
+                # a memory save has finished and its promotion is being queued on the save's thread (its
+                # future's callbacks run after waiters are woken): look again in a moment
+                time.sleep(0.005)
             for f in futs:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
@@ -327,6 +335,7 @@ class MemoryTier:
         the nodes, rebuilt where a node lost it; else ``fallback`` (the disk store's resume). Memory steps
         newer than the step a fallback resumed are dropped (a new timeline starts there)."""
         self.saver.wait()
+        self.wait_for_promotions()           # they use the disk store's collectives: none may run beside resume
         choice = self.choose()
         found = choice.get("found") if self.p.coord is not None else choice
         leaders = choice.get("leaders", [0]) if self.p.coord is not None else [0]

@@ -214,6 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remote", default=None, help="remote store URL, passed to Store(remote=...) when set")
     p.add_argument("--storage-options", default=None, help="JSON dict, passed to Store(storage_options=...)")
     p.add_argument("--load-path", default=None, help="passed to Store(load_path=...) when set")
+    p.add_argument("--memory", default=None, help="a RAM-backed directory (e.g. /dev/shm/run): saves go to the memory "
+                   "tier every --ckpt-every steps, and to --store every --disk-every steps (ckptstore.Memory)")
+    p.add_argument("--disk-every", type=int, default=None, help="with --memory: promote every N-th step to --store")
+    p.add_argument("--nonblocking", action="store_true", help="save(blocking=False): training goes on while the "
+                   "step is hashed and written")
     p.add_argument("--quiet", action="store_true", help="no per-checkpoint messages")
     return p
 
@@ -232,7 +237,7 @@ def _ballast(base: torch.Tensor, step: int) -> torch.Tensor:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    from ckptstore import RNGState, Store
+    from ckptstore import Memory, RNGState, Store
 
     torch.set_num_threads(1)  # one thread: reproducible reductions, and fast for a model this small
     # (not torch.use_deterministic_algorithms: it imports torch._inductor, +2 s per start, and CPU ops used here
@@ -265,6 +270,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         store_kw["storage_options"] = json.loads(args.storage_options)
     if args.load_path:
         store_kw["load_path"] = args.load_path
+    if args.memory:
+        store_kw["memory"] = Memory(args.memory, every=args.ckpt_every, disk_every=args.disk_every)
 
     log_fd = os.open(args.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if args.log else None
     with Store(args.store, config=run_config(args), config_may_change=("steps",), **store_kw) as store:
@@ -314,9 +321,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     state["ballast"] = _ballast(ballast_base, step)
                 if not args.quiet:
                     print(f"saving step {step}", flush=True)
-                res = store.save(state, step, metrics={"loss": lossv})
+                res = store.save(state, step, metrics={"loss": lossv}, blocking=not args.nonblocking)
                 saved = step
-                if not args.quiet:
+                if not args.quiet and res is not None and args.nonblocking:
+                    print(f"saving step {step} in the background (stalled {res.stall_seconds:.3f}s)", flush=True)
+                elif not args.quiet and res is not None:
                     print(f"saved step {step} loss={lossv:.4f} wrote {res.bytes_written}/{res.bytes_total} B "
                           f"({res.blobs_new}/{res.blobs_total} blobs) in {res.seconds:.3f}s", flush=True)
             if args.sleep_per_step > 0:

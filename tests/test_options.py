@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ckptstore import CheckpointError, Packing, Remote, Retention, RetryPolicy, Store, Writing
+from ckptstore import CheckpointError, Memory, Packing, Remote, Retention, RetryPolicy, Store, Writing
 
 
 def test_a_remote_url_is_remote_of_that_url_and_both_upload_and_resume(tmp_path):
@@ -28,6 +28,12 @@ def test_a_remote_url_is_remote_of_that_url_and_both_upload_and_resume(tmp_path)
     (lambda: Remote("s3://b/p", workers=0), "Remote.workers"),
     (lambda: Remote("s3://b/p", backlog=True), "Remote.backlog"),
     (lambda: Remote("s3://b/p", keep_local=-1), "Remote.keep_local"),
+    (lambda: Remote("s3://b/p", every=0), "Remote.every"),
+    (lambda: Memory("s3://b/p"), "Memory.root must be a local"),
+    (lambda: Memory("/dev/shm/x", every=2, disk_every=3), "must be a multiple of Memory.every"),
+    (lambda: Memory("/dev/shm/x", capacity=0), "Memory.capacity"),
+    (lambda: Memory("/dev/shm/x", replicas=-1), "Memory.replicas"),
+    (lambda: Memory("/dev/shm/x", timeout=0), "Memory.timeout"),
     (lambda: Remote("s3://b/p", retry=30), "Remote.retry"),
 ])
 def test_bad_options_fail_where_they_are_written(make, words):
@@ -69,3 +75,29 @@ def test_public_methods_are_guarded_once_closed_and_read_only(tmp_path):
             with pytest.raises(CheckpointError, match=f"read_only: {name} is not allowed"):
                 call()
         assert r.steps() == [1]
+
+
+def test_memory_cadences_promote_and_upload_only_the_steps_they_name(tmp_path):
+    """One process: memory every 2 steps, disk every 4th, remote every 8th; a step due for no tier is not saved
+    (None); the newest memory step resumes first, the disk and remote hold only their cadences' steps."""
+    url = f"file://{tmp_path / 'remote'}"
+    mem = Memory(str(tmp_path / "mem"), every=2, disk_every=4, keep=2)
+    with Store(tmp_path / "disk", memory=mem, remote=Remote(url, every=8)) as s:
+        for step in range(1, 11):
+            out = s.save({"w": torch.full((1000,), float(step))}, step)
+            assert (out is None) == (step % 2 == 1)
+        s.wait_for_uploads()
+        assert s.steps() == [4, 8]
+        assert Store(url, read_only=True).steps() == [8]
+        assert Store(tmp_path / "mem", read_only=True).steps() == [8, 10]
+    with Store(tmp_path / "disk", memory=mem, remote=Remote(url, every=8)) as s:
+        state = {"w": None}
+        assert s.resume(state) == 10 and s.resumed_from["tier"] == "memory"
+        assert torch.equal(state["w"], torch.full((1000,), 10.0))
+    # the memory root lost: the disk's newest step, and memory steps newer than it are gone
+    import shutil
+    shutil.rmtree(tmp_path / "mem")
+    with Store(tmp_path / "disk", memory=mem, remote=Remote(url, every=8)) as s:
+        state = {"w": None}
+        assert s.resume(state) == 8 and s.resumed_from["tier"] == "local"
+        assert s.save({"w": torch.zeros(3)}, 9) is None and s.save({"w": torch.zeros(3)}, 10) is not None
