@@ -250,27 +250,41 @@ def object_reads(requests) -> List[str]:
 
 
 # -- 1. node loss: rebuilt from peers' memory, nothing read from S3 -----------------------------------------------
-def test_node_loss_resumes_from_peer_memory_bit_for_bit(cluster):
-    c = cluster
-    d = restore(c)
-    # what node 1 lost: ranks 2 and 3's parts of step 7, as node 0 holds their replicas
-    lost = {ch.blob_id: ch.nbytes for r in (2, 3) for ch in manifest(d / "mem0", KILL_AFTER, r).chunk_refs()}
-    unique_lost = sum(lost.values())
-    lose_node1(d)
+def peers_restart(c: Cluster) -> dict:
+    """Node 1 lost after step 7, the job restarted to step 10 (once per module; both tests below read it)."""
+    if getattr(c, "peers", None) is None:
+        d = restore(c)
+        # what node 1 lost: ranks 2 and 3's parts of step 7, as node 0 holds their replicas
+        lost = {ch.blob_id: ch.nbytes for r in (2, 3) for ch in manifest(d / "mem0", KILL_AFTER, r).chunk_refs()}
+        lose_node1(d)
+        res = restart(c, "peers")
+        c.peers = {"res": res, "lost_unique": sum(lost.values()), "requests": c.last_requests,
+                   "mem": {n: committed(d / f"mem{n}") for n in (0, 1)}, "losses": read_losses(d / "log")}
+    return c.peers
 
-    res = restart(c, "peers")
-    for r, out in res.items():
+
+def test_node_loss_resumes_from_peer_memory_bit_for_bit(cluster):
+    got = peers_restart(cluster)
+    for r, out in got["res"].items():
         rf = out["resumed_from"]
         assert out["resumed"] == KILL_AFTER and rf["tier"] == "memory" and rf["step"] == KILL_AFTER, (r, rf)
-    check_losses(c)
-    reads = object_reads(c.last_requests)
+    for r, log in got["losses"].items():
+        check_against_reference(log, cluster.ref[r], STEPS)
+    reads = object_reads(got["requests"])
     assert reads == [], f"the resume read the step's contents from S3: {reads}"
-    peer = {r: out["resumed_from"].get("peer_bytes", 0) for r, out in res.items()}
+    peer = {r: out["resumed_from"].get("peer_bytes", 0) for r, out in got["res"].items()}
     assert peer[0] == peer[1] == 0 and peer[2] + peer[3] > 0, peer      # only the lost node received
-    assert sum(peer.values()) <= unique_lost, (
-        f"peers sent {peer} = {sum(peer.values())} bytes, more than the lost ranks' unique chunks ({unique_lost})")
-    # node 1's memory root holds step 7 again (its own parts rebuilt) and the run went on to step 10
-    assert STEPS in committed(d / "mem1") and STEPS in committed(d / "mem0")
+    # both nodes' memory roots went on to step 10 (node 1's rebuilt, then saved to again)
+    assert STEPS in got["mem"][0] and STEPS in got["mem"][1], got["mem"]
+
+
+def test_node_loss_moves_no_more_than_the_lost_unique_chunks(cluster):
+    """Issue 20: the rebuild moves no more than the lost node's unique chunks (by chunk id) between peers."""
+    got = peers_restart(cluster)
+    peer = {r: out["resumed_from"].get("peer_bytes", 0) for r, out in got["res"].items()}
+    assert sum(peer.values()) <= got["lost_unique"], (
+        f"peers sent {peer} = {sum(peer.values())} bytes, more than the unique chunk bytes of ranks 2 and 3's "
+        f"parts of step {KILL_AFTER} ({got['lost_unique']})")
 
 
 # -- 2. a corrupt replica, and both replicas lost: the next tier, once ---------------------------------------------
@@ -353,7 +367,8 @@ def test_peer_killed_during_replication_leaves_step_uncommitted(tmp_path, tmpfs_
         (tmp_path / f"disk{n}").mkdir()
     (tmp_path / "log").mkdir()
     job = Job(4, "--disk", f"{tmp_path}/disk{{node}}", "--mem", f"{tmp_path}/mem{{node}}", "--log",
-              str(tmp_path / "log"), "--die-at", str(k), "--die-rank", "3", "--timeout", "8", "--collective-timeout", "15", script=WORKER)
+              str(tmp_path / "log"), "--die-at", str(k), "--die-rank", "3", "--timeout", "8",
+              "--collective-timeout", "15", script=WORKER)
     res = job.wait(120)                # raises (and kills the job) if anything hangs past the deadline
     out = outputs(job)
     assert job.procs[3].returncode == -9 and f"dying: step {k}: sending" in job.outputs[3], out
