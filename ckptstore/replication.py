@@ -344,14 +344,17 @@ def replicate(link: Link, ring: Ring, storage, step: int, gen: int, manifest: Ma
 
 # -- resuming: rebuild the parts a node lacks from the nodes that hold them --------------------------------------
 def rebuild(link: Link, storage, catalog, step: int, marker_digest: str, plan: Sequence[Sequence[int]],
-            rank: int) -> ReplicationStats:
+            rank: int) -> Tuple[ReplicationStats, Optional[Tuple[bytes, Optional[bytes]]]]:
     """Run this rank's side of a rebuild ``plan`` (``[holder, receiver, part]`` items, the same list and order
     on every rank; ``part`` -1: the commit marker alone) for memory ``step``, whose commit marker hashes to
     ``marker_digest``. A holder sends the part from its memory root (with the marker and the shard map); a
-    receiver verifies every object and writes it into its own, then, last, the marker if its root lacks it.
-    Items of other ranks are skipped; the global order makes the point-to-point exchanges pair up without
-    deadlock. Raises :class:`ReplicationError` / ``CorruptCheckpointError`` after the whole plan ran (so no
-    peer is left waiting) when any of this rank's items failed."""
+    receiver verifies every object and writes it into its own root. Items of other ranks are skipped. Each
+    rank runs its items in the plan's order, so the earliest unfinished item always has both its ranks at it:
+    the point-to-point exchanges pair up without deadlock, and items of disjoint pairs run at once. Returns
+    ``(bytes moved, (marker bytes, shard map bytes) received or None)``: the marker is written by the root's
+    leader with :func:`write_marker` once every rank's items succeeded. Raises :class:`ReplicationError` /
+    ``CorruptCheckpointError`` after the whole plan ran (so no peer is left waiting) when any of this rank's
+    items failed."""
     stats = ReplicationStats()
     failure: Optional[BaseException] = None
     marker: Optional[Tuple[bytes, Optional[bytes]]] = None
@@ -425,23 +428,28 @@ def rebuild(link: Link, storage, catalog, step: int, marker_digest: str, plan: S
             link.send(holder, _status(error), what)
             if error is not None:
                 failure = failure or error
-    if failure is None and marker is not None:
-        data, shard_map = marker
-        try:
-            have = storage.read_bytes(commit_path(step)) if storage.exists(commit_path(step)) else None
-        except OSError:
-            have = None
-        if have != data:
-            commit = decode_commit(data, step=step, what=f"step {step}: commit marker")
-            if shard_map is not None and commit.shards is not None:
-                storage.write_atomic(shards_path(step, commit.shards[2]), shard_map)
-            storage.write_atomic(commit_path(step), data)       # last: the step is whole here now
     if failure is not None:
         if isinstance(failure, CheckpointError):
             raise failure
         raise ReplicationError(f"step {step}: rebuild on rank {rank} failed: {type(failure).__name__}: "
                                f"{failure}") from failure
-    return stats
+    return stats, marker
+
+
+def write_marker(storage, step: int, marker: Tuple[bytes, Optional[bytes]]) -> None:
+    """Last step of a rebuild, on the root's leader once every rank's items succeeded: the shard map, then the
+    commit marker (received from a holder, checked against the agreed digest), unless the root has it."""
+    data, shard_map = marker
+    try:
+        have = storage.read_bytes(commit_path(step)) if storage.exists(commit_path(step)) else None
+    except OSError:
+        have = None
+    if have == data:
+        return
+    commit = decode_commit(data, step=step, what=f"step {step}: commit marker")
+    if shard_map is not None and commit.shards is not None:
+        storage.write_atomic(shards_path(step, commit.shards[2]), shard_map)
+    storage.write_atomic(commit_path(step), data)            # last: the step is whole here now
 
 
 def _rebuild_offer(raw: bytes, step: int, part: int, what: str) -> Dict[str, Any]:

@@ -178,11 +178,12 @@ class Store:
 
     @property
     def resumed_from(self) -> Optional[Dict[str, Any]]:
-        """Where the last :meth:`resume` / :meth:`restore` came from: ``{"tier": "local"|"remote"|"load_path",
+        """Where the last :meth:`resume` / :meth:`restore` came from: ``{"tier": "memory"|"local"|"remote"|"load_path",
         "step": int, "url": str, "manifests_read": how many saved ranks' manifests this rank read (1 with an
         unchanged world size; with another, rank 0's and those whose shards overlap this rank's, see
-        ckptstore.shardmap)}`` (``"keys"`` for a restore of some keys, ``"components"`` for ``load_path``), or
-        ``None``."""
+        ckptstore.shardmap)}`` (``"keys"`` for a restore of some keys, ``"components"`` for ``load_path``; for
+        ``"memory"`` also ``"peer_bytes"`` / ``"peer_objects"``: stored bytes and objects this rank received from
+        peers to rebuild its node's parts, ``"peer_bytes_sent"``, and ``"rebuild_seconds"``), or ``None``."""
         return self._loader.resumed_from
 
     @property
@@ -311,7 +312,8 @@ class Store:
     @_guard()
     def resolve(self) -> Optional[Tuple[Optional[int], str]]:
         """The step :meth:`resume` would start from, without loading it: ``(step, tier)`` with ``tier`` one of
-        ``"local"``, ``"remote"``, ``"load_path"`` (``step`` is ``None`` when ``load_path`` names Hub-format
+        ``"memory"`` (with ``memory=``: a step the nodes' memory roots hold whole), ``"local"``, ``"remote"``,
+        ``"load_path"`` (``step`` is ``None`` when ``load_path`` names Hub-format
         weights), or ``None`` for a fresh start. A candidate counts when its commit marker reads and checks
         (digest, format) and, for the local root, this rank's manifest is there: one listing and about one
         marker read per tier; chunks are verified by the load itself (:meth:`restore` still falls back to

@@ -35,7 +35,7 @@ from .memory import Memory, NodeLock, next_to_drop, over_keep, root_usage, sweep
 from .options import Writing
 from .parts import Parts, local_path
 from .pointers import point_away_from
-from .replication import Link, ReplicationStats, Ring, rebuild, replicate
+from .replication import Link, ReplicationStats, Ring, rebuild, replicate, write_marker
 from .resume import agree_outcome
 from .saving import Saver
 from .storage import open_storage
@@ -307,11 +307,14 @@ class MemoryTier:
                 need = set(range(saved_world)) if saved_world != world else (
                     set(ranks) | ({0} if replicated[marker] else set()))
                 missing = sorted(need - have)
-                for part in missing:
-                    src = next(w for w in holders if part in held[w])
-                    plan.append([roots[src][0], ranks[0], part])
-                if not missing and where not in held:
-                    plan.append([roots[holders[0]][0], ranks[0], -1])
+                for i, part in enumerate(missing):
+                    # spread the work: the holding roots in turn, their ranks in turn, and the receiving root's
+                    # ranks in turn (items of disjoint pairs run at once, see ckptstore.replication.rebuild)
+                    srcs = [w for w in holders if part in held[w]]
+                    src = roots[srcs[i % len(srcs)]]
+                    plan.append([src[part % len(src)], ranks[i % len(ranks)], part])
+                if where not in held and not any(item[1] == ranks[0] for item in plan):
+                    plan.append([roots[holders[0]][0], ranks[0], -1])     # the leader needs the marker
             return {"step": s, "marker": marker, "plan": plan,
                     "leaders": [ranks[0] for ranks in roots.values()]}
         return None
@@ -340,7 +343,7 @@ class MemoryTier:
         found = choice.get("found") if self.p.coord is not None else choice
         leaders = choice.get("leaders", [0]) if self.p.coord is not None else [0]
         if found is not None:
-            got = self._resume_memory(state, found, strict=strict, rank_local=rank_local)
+            got = self._resume_memory(state, found, leaders, strict=strict, rank_local=rank_local)
             if got is not None:
                 return got
         step = fallback(state, strict=strict, rank_local=rank_local)
@@ -363,23 +366,37 @@ class MemoryTier:
             raise error
         return step
 
-    def _resume_memory(self, state, found: Dict[str, Any], *, strict: bool, rank_local: str) -> Optional[int]:
+    def _agree(self, step: int, error: Optional[BaseException]) -> Optional[BaseException]:
+        """Every rank's outcome -> the same verdict on every rank (``None``: all succeeded)."""
+        if self.p.coord is None:
+            return error
+        error, _ = agree_outcome(self.p.coord, self.p.coord.next_tag("memory-rebuild"), step, error, False,
+                                 self.p.collective_timeout)
+        return error
+
+    def _resume_memory(self, state, found: Dict[str, Any], leaders: List[int], *, strict: bool,
+                       rank_local: str) -> Optional[int]:
         step, plan = int(found["step"]), [tuple(int(v) for v in item) for item in found["plan"]]
         t0 = time.perf_counter()
         stats = ReplicationStats()
         error: Optional[BaseException] = None
+        marker = None
         if plan:
             try:
                 if self.link is None:
                     raise CheckpointError(f"memory step {step}: parts are missing and no peers are set up "
                                           "(Memory.replicas=0)")
-                stats = rebuild(self.link, self.p.storage, self.p.catalog, step, found["marker"], plan,
-                                self.p.rank)
+                stats, marker = rebuild(self.link, self.p.storage, self.p.catalog, step, found["marker"], plan,
+                                        self.p.rank)
             except Exception as e:
                 error = e
-        if self.p.coord is not None:
-            tag = self.p.coord.next_tag("memory-rebuild")
-            error, fatal = agree_outcome(self.p.coord, tag, step, error, False, self.p.collective_timeout)
+            error = self._agree(step, error)
+            if error is None and marker is not None and self.p.rank in leaders:
+                try:
+                    write_marker(self.p.storage, step, marker)      # every part of this root is here now
+                except Exception as e:
+                    error = e
+            error = self._agree(step, error)
         if error is not None:
             log.warning("memory step %d could not be rebuilt from peers (%s): trying disk and remote", step, error)
             return None
