@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(PY) examples/demo_kill_resume.py --out demo_out
 
 test: $(STAMP)
-	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs --durations=25 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_save.py

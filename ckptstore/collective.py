@@ -110,6 +110,13 @@ class StoreCoordinator(Coordinator):
         if kv_store is None:
             from torch.distributed import distributed_c10d
             kv_store = distributed_c10d._get_default_store()
+            # a client connection of this coordinator's own: a blocking get of one store's agreement must not
+            # hold up another's set on another thread (the memory tier's saves and the disk promotions agree on
+            # two threads at once; sharing one client, each waited behind the other's get until the timeout)
+            try:
+                kv_store = kv_store.clone()
+            except Exception as e:            # pragma: no cover - a store type without clone(): share it
+                log.debug("c10d store %s has no clone(): shared (%s)", type(kv_store).__name__, e)
         if instance is None:            # the n-th store each process creates: the same on every rank
             with _instances_lock:
                 instance = next(_instances)

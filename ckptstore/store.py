@@ -342,6 +342,8 @@ class Store:
         Raises ``FileNotFoundError`` (no such committed step / none at all), ``CorruptCheckpointError`` (the
         explicit step is damaged, or every step is), ``IncompatibleCheckpointError`` (keys, shapes, config)."""
         self.wait()
+        if self._tier is not None:          # promotions use the disk store's collectives, as restore does
+            self._tier.wait_for_promotions()
         return self._loader.restore(state, step, keys=keys, strict=strict, rank_local=rank_local)
 
     @_guard()

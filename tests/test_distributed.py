@@ -164,10 +164,18 @@ def test_each_rank_stores_only_its_shard(saved4):
     assert sum(p.stat().st_size for p in data_files(root)) < 1.3 * state_bytes
 
 
+@pytest.fixture(scope="module")
+def trained3(tmp_path_factory):
+    """A 3-rank job trained and saved 2 steps. Shared: tests copy it before changing anything."""
+    store = tmp_path_factory.mktemp("trained3") / "store"
+    run(3, "--mode", "train", "--store", str(store), "--steps", "2")
+    return store
+
+
 @pytest.mark.parametrize("blocking", [1, 0])
-def test_one_rank_failing_makes_every_rank_raise_and_nothing_commits(tmp_path, blocking):
+def test_one_rank_failing_makes_every_rank_raise_and_nothing_commits(tmp_path, blocking, trained3):
     store = str(tmp_path / "store")
-    run(3, "--mode", "train", "--store", store, "--steps", "2")
+    shutil.copytree(trained3, store, symlinks=True)
     t0 = time.monotonic()
     res = run(3, "--mode", "fail", "--store", store, "--bad-rank", "1", "--blocking", str(blocking))
     assert time.monotonic() - t0 < 60
@@ -252,12 +260,23 @@ def losses(log: Path) -> dict:
     return out
 
 
+SIGKILL_STEPS = 14
+
+
+@pytest.fixture(scope="module")
+def fsdp2_reference(tmp_path_factory):
+    """An uninterrupted 2-rank FSDP2 run of SIGKILL_STEPS steps: {step: {loss}}. Shared by both blocking modes
+    (the reference run does not depend on them)."""
+    d = tmp_path_factory.mktemp("fsdp2_ref")
+    run(2, "--mode", "train", "--store", str(d / "ref"), "--steps", str(SIGKILL_STEPS), "--log", str(d / "ref.log"))
+    ref = losses(d / "ref.log")
+    assert sorted(ref) == list(range(1, SIGKILL_STEPS + 1))
+    return ref
+
+
 @pytest.mark.parametrize("blocking", [1, 0])
-def test_fsdp2_job_sigkilled_resumes_bit_for_bit(tmp_path, blocking):
-    steps = 14
-    run(2, "--mode", "train", "--store", str(tmp_path / "ref"), "--steps", str(steps), "--log", str(tmp_path / "ref.log"))
-    ref = losses(tmp_path / "ref.log")
-    assert sorted(ref) == list(range(1, steps + 1))
+def test_fsdp2_job_sigkilled_resumes_bit_for_bit(tmp_path, blocking, fsdp2_reference):
+    steps, ref = SIGKILL_STEPS, fsdp2_reference
     rng = random.Random(blocking)
     store, log = tmp_path / "store", tmp_path / "run.log"
     for attempt in range(3):
