@@ -186,6 +186,17 @@ def worker(args) -> None:
     finish()
 
 
+def lost_unique_bytes(root: Path, step: int, ranks) -> int:
+    """Raw bytes of the distinct chunks (by id) of ``ranks``' manifests of ``step`` in the store root ``root``."""
+    from ckptstore.manifest import decode_manifest
+    seen = {}
+    for r in ranks:
+        p = root / "steps" / f"{step:012d}" / f"manifest-rank{r:05d}.msgpack"
+        for ch in decode_manifest(p.read_bytes(), step=step, rank=r, what=str(p)).chunk_refs():
+            seen[ch.blob_id] = ch.nbytes
+    return sum(seen.values())
+
+
 def recovery(args) -> str:
     from backends.launcher import S3Server
     from dist import Job
@@ -202,6 +213,7 @@ def recovery(args) -> str:
                 common = ["--base", str(base), "--shm", str(shm), "--remote", f"{url}/run", "--so", so,
                           "--state-mib", str(args.state_mib)]
                 Job(4, "--worker", "save", *common, script=script).check(900)
+                unique = lost_unique_bytes(shm / "mem0", 1, (2, 3))
 
                 def lose(paths):
                     for p in paths:
@@ -220,8 +232,8 @@ def recovery(args) -> str:
                     slow = max(r["resume_s"] for r in res.values())
                     tiers = sorted({f'{r["resumed_from"]["tier"]}' for r in res.values()})
                     peer = sum(r["resumed_from"].get("peer_bytes", 0) or 0 for r in res.values())
-                    rows.append(f"| {name} | {'/'.join(tiers)} | {slow:.2f} | {wall:.1f} | {peer / MiB:.1f} | "
-                                f"{s3_bytes / MiB:.1f} | {gets} |")
+                    rows.append(f"| {name} | {'/'.join(tiers)} | {slow:.2f} | {wall:.1f} | {unique / MiB:.1f} | "
+                                f"{peer / MiB:.1f} | {s3_bytes / MiB:.1f} | {gets} |")
     finally:
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
@@ -229,9 +241,9 @@ def recovery(args) -> str:
         f"(b) recovery after the loss of node 1 (ranks 2, 3) of 4 ranks as 2 nodes; per rank {args.state_mib} MiB "
         f"of data-parallel model bytes + 1 MiB of its own; {os.cpu_count()} cores",
         "",
-        "| recovered from | tiers (all ranks) | resume s (slowest rank) | job wall s | MiB from peers | "
-        "MiB answered by S3 | S3 GETs |",
-        "|---|---|---|---|---|---|---|",
+        "| recovered from | tiers (all ranks) | resume s (slowest rank) | job wall s | lost node's unique MiB | "
+        "MiB from peers | MiB answered by S3 | S3 GETs (whole job) |",
+        "|---|---|---|---|---|---|---|---|",
         *rows,
     ])
 
