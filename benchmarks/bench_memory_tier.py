@@ -108,7 +108,8 @@ def overhead(args) -> str:
         "",
         "| run | steps/s | throughput vs none | step p50 ms | step p99 ms | stall in save p50 ms | stall p99 ms |",
         "|---|---|---|---|---|---|---|",
-        f"| no checkpointing | {len(base) / sum(base):.2f} | 1.000 | {ms(pct(base, 50))} | {ms(pct(base, 99))} | - | - |",
+        f"| no checkpointing | {len(base) / sum(base):.2f} | 1.000 | {ms(pct(base, 50))} | "
+        f"{ms(pct(base, 99))} | - | - |",
         f"| memory tier every step | {len(ck) / sum(ck):.2f} | {ratio:.3f} | {ms(pct(ck, 50))} | "
         f"{ms(pct(ck, 99))} | {ms(pct(stall, 50))} | {ms(pct(stall, 99))} |",
     ])
