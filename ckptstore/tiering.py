@@ -308,11 +308,13 @@ class MemoryTier:
                     set(ranks) | ({0} if replicated[marker] else set()))
                 missing = sorted(need - have)
                 for i, part in enumerate(missing):
-                    # spread the work: the holding roots in turn, their ranks in turn, and the receiving root's
-                    # ranks in turn (items of disjoint pairs run at once, see ckptstore.replication.rebuild)
+                    # the root's leader receives every part, one after the other, so a chunk two parts share
+                    # (data-parallel replicas) crosses once: it is there when the next part asks; the holding
+                    # roots and their ranks send in turn, and roots that lost their parts rebuild at once
+                    # (items of disjoint pairs run concurrently, see ckptstore.replication.rebuild)
                     srcs = [w for w in holders if part in held[w]]
                     src = roots[srcs[i % len(srcs)]]
-                    plan.append([src[part % len(src)], ranks[i % len(ranks)], part])
+                    plan.append([src[part % len(src)], ranks[0], part])
                 if where not in held and not any(item[1] == ranks[0] for item in plan):
                     plan.append([roots[holders[0]][0], ranks[0], -1])     # the leader needs the marker
             return {"step": s, "marker": marker, "plan": plan,
