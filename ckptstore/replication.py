@@ -3,9 +3,10 @@
 Who holds what: node ``n`` = ``rank // node_size``; with ``replicas = k`` each rank sends its part of a memory
 step (its manifest and the chunks it references) to the rank with the same local index on each of the next
 ``k`` nodes (a ring), and receives the parts of the same local rank of the previous ``k`` nodes. A part is the
-manifest's bytes verbatim plus every blob and pack it references that the peer's memory root lacks, by name
-(content addressing: data-parallel replicas already hold the same chunks, so their parts cost the manifest
-alone). The receiver verifies every object against its id (a blob's raw bytes hash to its id, a pack's bytes
+manifest's bytes verbatim plus every blob and pack it references that the peer's memory root lacks, by name; a
+pack is assembled at the peer from the chunks it holds already (:class:`LocalChunks`) and only the byte ranges
+it cannot fill cross (content addressing: data-parallel replicas hold the same chunks, so their parts cost the
+manifest and their few chunks of their own). The receiver verifies every object against its id (a blob's raw bytes hash to its id, a pack's bytes
 to its id) and the manifest by decoding it, writes them into its own memory root in the ordinary layout, and
 only then answers; the sender's save fails unless every peer answered "held". The commit marker that makes a
 memory step visible is written after that (see :mod:`ckptstore.tiering`), so a step whose replication failed
@@ -20,8 +21,9 @@ Exchange of one part (both sides at once: every rank is a sender and a receiver 
 
     offer  : sender -> receiver   msgpack {step, rank, gen, manifest: bytes, objects: [[kind, id, codec, nbytes,
                                   size]], marker?: bytes, shards?: bytes}   (or {error: str})
-    want   : receiver -> sender   msgpack [indices of the objects it lacks]
-    payload: sender -> receiver   the wanted objects' stored bytes, concatenated in offer order
+    want   : receiver -> sender   msgpack [[index, None | [[offset, length], ...]], ...]: the objects it lacks,
+                                  a pack as the byte ranges it cannot assemble from chunks it holds
+    payload: sender -> receiver   the wanted objects' stored bytes (or ranges), concatenated in want order
     status : receiver -> sender   msgpack {ok: bool, error?: str}
 
 Loading never unpickles: offers and answers are msgpack with plain types, checked before use.
@@ -228,53 +230,172 @@ def read_offer(data: bytes, *, step: int, rank: int, what: str) -> Dict[str, Any
             or not isinstance(body.get("manifest"), bytes) or not isinstance(body.get("objects"), list):
         raise CorruptCheckpointError(f"{what}: the offer is not step {step} rank {rank}'s part", step=step)
     body["paths"] = [_object_path(o) for o in body["objects"]]
+    body["decoded"] = decode_manifest(body["manifest"], step=step, rank=rank, what=f"{what}: manifest")
     return body
 
 
-def wanted(storage, offer: Dict[str, Any]) -> List[int]:
-    """Indices of the offered objects ``storage`` lacks (by name: a memory root holds bytes of this boot
-    only, each verified when it arrived or written by this job)."""
-    return [i for i, (path, *_rest) in enumerate(offer["paths"]) if not storage.exists(path)]
+class LocalChunks:
+    """Chunks a receiving root already holds, by id (from manifests it holds for the step: its own rank's at a
+    save, the parts it received so far at a rebuild), so that a pack the peer offers is assembled from them and
+    only the byte ranges the root lacks cross the network: data-parallel replicas pack the same small chunks
+    beside a few of their own (RNG, data position), into packs of different ids."""
+
+    def __init__(self, storage):
+        self.storage = storage
+        self._where: Dict[str, Tuple[str, int, int, str]] = {}     # id -> (path, offset, stored, codec)
+
+    def add(self, manifest: Manifest) -> None:
+        for c in manifest.chunk_refs():
+            if c.blob_id in self._where:
+                continue
+            if c.pack is not None:
+                self._where[c.blob_id] = (pack_path(c.pack), c.offset, c.stored, c.codec)
+            else:
+                self._where[c.blob_id] = (blob_path(c.blob_id, c.codec), 0, c.nbytes, c.codec)
+
+    def source(self, blob_id: str, codec: str, stored: int) -> Optional[Tuple[str, int]]:
+        got = self._where.get(blob_id)
+        if got is None or got[3] != codec or got[2] != stored or not self.storage.exists(got[0]):
+            return None
+        return got[0], got[1]
 
 
-def payload_of(storage, objects: Sequence[list], want: Sequence[int]) -> bytes:
+def _pack_plan(offer: Dict[str, Any], i: int, local: Optional[LocalChunks]):
+    """``(ranges to ask for, [(dst offset, src path, src offset, length)] to fill locally)`` for offered pack
+    ``i``, or ``None`` when nothing of it is here (ask for the whole pack). Ranges are ``[offset, length]``,
+    merged; the bytes of the pack no chunk reference covers are asked for too."""
+    if local is None or offer.get("decoded") is None:
+        return None
+    _path, _kind, oid, _n, size = offer["paths"][i]
+    refs = sorted({(c.offset, c.stored, c.blob_id, c.codec) for c in offer["decoded"].chunk_refs() if c.pack == oid})
+    fills, ranges = [], []
+    pos = 0
+
+    def ask(off: int, n: int) -> None:
+        if n <= 0:
+            return
+        if ranges and ranges[-1][0] + ranges[-1][1] == off:
+            ranges[-1][1] += n
+        else:
+            ranges.append([off, n])
+    for off, stored, cid, codec in refs:
+        if off < pos or off + stored > size:
+            return None                             # overlapping or out of bounds: ask for it whole
+        ask(pos, off - pos)
+        src = local.source(cid, codec, stored)
+        if src is None:
+            ask(off, stored)
+        else:
+            fills.append((off, src[0], src[1], stored))
+        pos = off + stored
+    ask(pos, size - pos)
+    if not fills:
+        return None
+    return ranges, fills
+
+
+def wanted(storage, offer: Dict[str, Any], local: Optional[LocalChunks] = None) -> List[list]:
+    """What to ask for of the offered objects ``storage`` lacks (by name: a memory root holds bytes of this
+    boot only, each verified when it arrived or written by this job): ``[index, None]`` for a whole object,
+    ``[index, [[offset, length], ...]]`` for the ranges of a pack that ``local`` cannot fill."""
+    out: List[list] = []
+    for i, (path, kind, *_rest) in enumerate(offer["paths"]):
+        if storage.exists(path):
+            continue
+        plan = _pack_plan(offer, i, local) if kind == "pack" else None
+        out.append([i, None if plan is None else plan[0]])
+    return out
+
+
+def _check_want(want, objects: Sequence[list]) -> List[Tuple[int, Optional[List[Tuple[int, int]]]]]:
+    """A peer's answer, checked against what was offered (untrusted input)."""
+    if not isinstance(want, list):
+        raise CorruptCheckpointError("malformed answer")
+    out = []
+    for w in want:
+        if not isinstance(w, list) or len(w) != 2 or not isinstance(w[0], int) or not 0 <= w[0] < len(objects):
+            raise CorruptCheckpointError(f"malformed answer: {w!r:.80}")
+        size = objects[w[0]][4]
+        if w[1] is None:
+            out.append((w[0], None))
+            continue
+        if not isinstance(w[1], list) or objects[w[0]][0] != "pack":
+            raise CorruptCheckpointError(f"malformed answer: {w!r:.80}")
+        ranges = []
+        for r in w[1]:
+            if not (isinstance(r, list) and len(r) == 2 and all(isinstance(v, int) for v in r)
+                    and r[0] >= 0 and r[1] > 0 and r[0] + r[1] <= size):
+                raise CorruptCheckpointError(f"malformed range {r!r:.80}")
+            ranges.append((r[0], r[1]))
+        out.append((w[0], ranges))
+    return out
+
+
+def payload_of(storage, objects: Sequence[list], want) -> bytes:
+    """The bytes a peer asked for (``want`` as :func:`wanted` makes it), concatenated in its order."""
     parts = []
-    for i in want:
+    for i, ranges in _check_want(want, objects):
         kind, oid, codec, _n, size = objects[i]
         path = pack_path(oid) if kind == "pack" else blob_path(oid, codec)
-        data = storage.read_bytes(path)
-        if len(data) != size:
-            raise CorruptCheckpointError(f"{kind} changed size while being sent ({len(data)} != {size} bytes)",
-                                         blob=path)
-        parts.append(data)
+        if ranges is None:
+            data = storage.read_bytes(path)
+            if len(data) != size:
+                raise CorruptCheckpointError(f"{kind} changed size while being sent ({len(data)} != {size} "
+                                             "bytes)", blob=path)
+            parts.append(data)
+            continue
+        for off, n in ranges:
+            buf = bytearray(n)
+            if storage.read_range_into(path, off, memoryview(buf)) != n:
+                raise CorruptCheckpointError(f"{kind} shorter than a range asked for", blob=path)
+            parts.append(bytes(buf))
     return b"".join(parts)
 
 
-def take(storage, offer: Dict[str, Any], want: Sequence[int], payload: bytes, *, step: int, rank: int,
-         what: str) -> ReplicationStats:
-    """Verify and write the received objects, then the manifest (decoded first: untrusted input). Raises
+def take(storage, offer: Dict[str, Any], want: Sequence[list], payload: bytes, *, step: int, rank: int,
+         what: str, local: Optional[LocalChunks] = None) -> ReplicationStats:
+    """Verify and write the received objects (a pack asked for by ranges is assembled from ``local`` and the
+    ranges, then hashed whole), then the manifest (decoded first: untrusted input). Raises
     ``CorruptCheckpointError`` naming the object that does not match its id."""
     stats = ReplicationStats()
     pos = 0
-    for i in want:
-        if not isinstance(i, int) or not 0 <= i < len(offer["paths"]):
-            raise CorruptCheckpointError(f"{what}: bad object index {i!r}", step=step)
+    for i, ranges in want:
         path, kind, oid, nbytes, size = offer["paths"][i]
-        piece = payload[pos:pos + size]
-        pos += size
         codec = offer["objects"][i][2]
-        if len(piece) != size or not _intact(kind, oid, codec, nbytes, piece):
+        if ranges is None:
+            piece = payload[pos:pos + size]
+            pos += size
+            got = len(piece)
+            ok = len(piece) == size and _intact(kind, oid, codec, nbytes, piece)
+        else:
+            plan = _pack_plan(offer, i, local)
+            if plan is None or [list(r) for r in plan[0]] != [list(r) for r in ranges]:
+                raise CorruptCheckpointError(f"{what}: the pack's local chunks changed during the exchange",
+                                             step=step, blob=path)
+            buf = bytearray(size)
+            got = 0
+            for off, n in ranges:
+                buf[off:off + n] = payload[pos:pos + n]
+                pos += n
+                got += n
+            for off, src, src_off, n in plan[1]:
+                if storage.read_range_into(src, src_off, memoryview(buf)[off:off + n]) != n:
+                    raise CorruptCheckpointError(f"{what}: a local chunk of {src} is short", step=step, blob=src)
+            piece = bytes(buf)
+            ok = pos <= len(payload) and _intact(kind, oid, codec, nbytes, piece)
+        if not ok:
             raise CorruptCheckpointError(f"{what}: {kind} does not match its id", step=step, blob=path)
         storage.write_new(path, piece)
         stats.objects_received += 1
-        stats.bytes_received += size
+        stats.bytes_received += got
     if pos != len(payload):
-        raise CorruptCheckpointError(f"{what}: {len(payload) - pos} bytes more than the objects asked for",
-                                     step=step)
+        raise CorruptCheckpointError(f"{what}: {len(payload) - pos} bytes more or less than the objects asked "
+                                     "for", step=step)
     data = offer["manifest"]
     path = manifest_path(step, rank, offer["gen"])
-    decode_manifest(data, step=step, rank=rank, what=f"{what}: {path}")
     storage.write_atomic(path, data)
+    if local is not None and offer.get("decoded") is not None:
+        local.add(offer["decoded"])
     return stats
 
 
@@ -300,6 +421,8 @@ def replicate(link: Link, ring: Ring, storage, step: int, gen: int, manifest: Ma
     stats = ReplicationStats()
     rank = ring.rank
     mbytes = storage.read_bytes(manifest_path(step, rank, gen))
+    local = LocalChunks(storage)
+    local.add(manifest)                  # a data-parallel peer's packs are mostly this rank's chunks
     for j in range(1, ring.replicas + 1):
         dst, src = ring.target(j), ring.source(j)
         what = f"step {step}: replica {j} of rank {src}'s part"
@@ -311,14 +434,12 @@ def replicate(link: Link, ring: Ring, storage, step: int, gen: int, manifest: Ma
         error: Optional[BaseException] = None
         try:
             theirs = read_offer(theirs_raw, step=step, rank=src, what=what)
-            want = wanted(storage, theirs)
+            want = wanted(storage, theirs, local)
         except Exception as e:
             theirs, want, error = None, [], e
         their_want_raw = link.exchange(src, msgpack.packb(want), dst, f"step {step}: wants")
         try:
             their_want = msgpack.unpackb(their_want_raw) if objects else []
-            if not isinstance(their_want, list):
-                raise CorruptCheckpointError("malformed answer", step=step)
             log.debug("step %d: sending rank %d's part to rank %d", step, rank, dst)
             out = payload_of(storage, objects, their_want)
             stats.objects_sent += len(their_want)
@@ -329,7 +450,7 @@ def replicate(link: Link, ring: Ring, storage, step: int, gen: int, manifest: Ma
         got = link.exchange(dst, out, src, f"step {step}: chunks")
         if error is None and theirs is not None:
             try:
-                stats.add(take(storage, theirs, want, got, step=step, rank=src, what=what))
+                stats.add(take(storage, theirs, want, got, step=step, rank=src, what=what, local=local))
             except Exception as e:
                 error = e
         answer = link.exchange(src, _status(error), dst, f"step {step}: answers")
@@ -358,6 +479,7 @@ def rebuild(link: Link, storage, catalog, step: int, marker_digest: str, plan: S
     stats = ReplicationStats()
     failure: Optional[BaseException] = None
     marker: Optional[Tuple[bytes, Optional[bytes]]] = None
+    local = LocalChunks(storage)         # chunks of the parts received so far: shared ones cross once
     for holder, receiver, part in plan:
         if rank == holder:
             what = f"step {step}: rank {part}'s part for rank {receiver}"
@@ -415,14 +537,14 @@ def rebuild(link: Link, storage, catalog, step: int, marker_digest: str, plan: S
                 if part >= 0 and commit.manifests.get(part, (None, None, None))[2] != body["gen"]:
                     raise CorruptCheckpointError("manifest generation differs from the commit marker's", step=step)
                 marker = (m, body.get("shards") if isinstance(body.get("shards"), bytes) else None)
-                want = wanted(storage, body) if part >= 0 else []
+                want = wanted(storage, body, local) if part >= 0 else []
             except Exception as e:
                 error = e
             link.send(holder, msgpack.packb(want), what)
             got = link.recv(holder, what)
             if error is None and part >= 0:
                 try:
-                    stats.add(take(storage, body, want, got, step=step, rank=part, what=what))
+                    stats.add(take(storage, body, want, got, step=step, rank=part, what=what, local=local))
                 except Exception as e:
                     error = e
             link.send(holder, _status(error), what)

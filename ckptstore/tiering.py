@@ -115,8 +115,11 @@ class MemoryTier:
             epoch = read_epoch(self.p.storage)
             if epoch != self._epoch:
                 self.p.blobs.forget_all()
-                self.p.index.clear()
                 self._epoch = epoch
+            # Small chunks are never taken from an earlier save's pack: each memory save packs its own, so every
+            # pack a part names is whole in it, and a peer rebuilding the part receives its chunks and nothing
+            # else (an old pack reused for one unchanged chunk would cross whole, stale chunks and all)
+            self.p.index.clear()
             yield
 
     def _replicate(self, step: int, gen: int, manifest) -> None:

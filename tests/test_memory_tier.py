@@ -279,9 +279,6 @@ def test_node_loss_resumes_from_peer_memory_bit_for_bit(cluster):
     assert STEPS in got["mem"][0] and STEPS in got["mem"][1], got["mem"]
 
 
-@pytest.mark.xfail(reason="memtier at e68e2af moves a lost part's packs whole (FORMAT.md: 'a pack moves whole when "
-                          "the peer lacks it'): the data-parallel chunks inside ranks 2 and 3's packs cross twice, "
-                          "114,952 bytes for 65,028 unique; blobs are sent once since e68e2af", strict=False)
 def test_node_loss_moves_no_more_than_the_lost_unique_chunks(cluster):
     """Issue 20: the rebuild moves no more than the lost node's unique chunks (by chunk id) between peers."""
     got = peers_restart(cluster)

@@ -400,7 +400,16 @@ class LocalStorage(Storage):
         _unlink_quiet(self._abs(path))
 
     def rmtree(self, path: str) -> None:
-        shutil.rmtree(self._abs(path), ignore_errors=True)
+        full = self._abs(path)
+        self._forget_dirs(full)
+        shutil.rmtree(full, ignore_errors=True)
+        self._forget_dirs(full)       # and any a concurrent writer of this process remembered meanwhile
+
+    def _forget_dirs(self, full: str) -> None:
+        """Directories this storage made at or below ``full`` are gone (``rmtree``): make them again when
+        needed (a step deleted and then saved again in one process wrote into a vanished directory)."""
+        with self._lock:
+            self._made_dirs = {d for d in self._made_dirs if d != full and not d.startswith(full + os.sep)}
 
     def move(self, src: str, dst: str) -> None:
         full_dst = self._abs(dst)
