@@ -352,6 +352,10 @@ class MemoryTier:
             if got is not None:
                 return got
         step = fallback(state, strict=strict, rank_local=rank_local)
+        if step is None and self.loader._touched and self.disk_loader.resumed_from is None:
+            raise CheckpointError(f"memory step {found['step'] if found else '?'} partly overwrote sharded (DTensor) "
+                                  "values before it was found damaged, and no other step loads into them: "
+                                  "refusing a fresh start with them")
         error: Optional[BaseException] = None
         if self.p.rank in leaders:
             try:
