@@ -170,25 +170,47 @@ class BlobStore:
             self._known.clear()
             self._trusted.clear()
 
+    def _reusable(self, blob_id: str, nbytes: int) -> Optional[str]:
+        """The codec of a present blob that dedup by name may reuse, else ``None`` (a damaged one is
+        quarantined). Dedup by name trusts only bytes this process wrote or has hashed: a blob first found on
+        disk is read and hashed once (a file linked before its bytes were durable can hold anything after a
+        power loss, with the right length or not; FORMAT.md "Write order"). ``nbytes``: its raw length."""
+        present = self.locate(blob_id)
+        if present is None:
+            return None
+        if blob_id in self._trusted:
+            return present
+        if ((present == "raw" and self.storage.adopt(blob_path(blob_id, present), nbytes))
+                or self.judge(blob_id, present) is True):
+            with self._lock:
+                self._trusted.add(blob_id)
+            return present
+        self._quarantine(blob_id, present)
+        return None
+
+    def _write(self, blob_id: str, codec: str, payload) -> int:
+        """Write a blob's stored bytes create-only; one that appeared meanwhile (another rank of a shared root)
+        but is not whole is replaced atomically. Returns bytes written (0: a whole copy was there)."""
+        path = blob_path(blob_id, codec)
+        wrote = self.storage.write_new(path, payload)
+        if not wrote and not self.storage.adopt(path, len(payload)) and self.judge(blob_id, codec) is not True:
+            self.storage.write_atomic(path, payload)
+            wrote = True
+        self.remember(blob_id, codec)
+        with self._lock:
+            self._trusted.add(blob_id)
+            self._dirs.add(path.rsplit("/", 1)[0])
+        return len(payload) if wrote else 0
+
     def put(self, blob_id: str, data: memoryview, codec: str = "raw", level: int = 1) -> Tuple[str, int]:
         """Store ``data`` (raw bytes whose digest is ``blob_id``) unless already present.
 
         Returns ``(codec actually stored, bytes written)``; bytes written is 0 when the blob was present.
         With ``codec="zstd"`` the blob is stored raw when compression saves less than 3%.
         """
-        present = self.locate(blob_id)
+        present = self._reusable(blob_id, len(data))
         if present is not None:
-            # Dedup by name trusts only bytes this process wrote or has hashed: a blob first found on disk is
-            # read and hashed once (a file linked before its bytes were durable can hold anything after a power
-            # loss, with the right length or not; FORMAT.md "Write order").
-            if blob_id in self._trusted:
-                return present, 0
-            if ((present == "raw" and self.storage.adopt(blob_path(blob_id, present), len(data)))
-                    or self.judge(blob_id, present) is True):
-                with self._lock:
-                    self._trusted.add(blob_id)
-                return present, 0
-            self._quarantine(blob_id, present)
+            return present, 0
         payload = data
         if codec == "zstd" and len(data):
             packed = compress(data, level)
@@ -198,42 +220,16 @@ class BlobStore:
                 codec = "raw"
         elif codec != "raw":
             raise ValueError(f"unknown codec {codec!r}")
-        path = blob_path(blob_id, codec)
-        wrote = self.storage.write_new(path, payload)
-        if not wrote and not self.storage.adopt(path, len(payload)) and self.judge(blob_id, codec) is not True:
-            # appeared meanwhile (another rank of a shared root) but is not (yet) whole: make it ours, atomically
-            self.storage.write_atomic(path, payload)
-            wrote = True
-        self.remember(blob_id, codec)
-        with self._lock:
-            self._trusted.add(blob_id)
-        with self._lock:
-            self._dirs.add(path.rsplit("/", 1)[0])
-        return codec, (len(payload) if wrote else 0)
+        return codec, self._write(blob_id, codec, payload)
 
-    def put_stored(self, blob_id: str, codec: str, read) -> int:
-        """Store a blob whose stored bytes (``read()``, encoded with ``codec``) come from another root of this
-        job (a promotion from the memory tier), unless present and trusted (the rules of :meth:`put`). The bytes
-        are not hashed: the caller vouches for them. Returns bytes written (0 when present)."""
-        present = self.locate(blob_id)
-        if present is not None:
-            if blob_id in self._trusted:
-                return 0
-            if self.judge(blob_id, present) is True:
-                with self._lock:
-                    self._trusted.add(blob_id)
-                return 0
-            self._quarantine(blob_id, present)
-        payload = read()
-        path = blob_path(blob_id, codec)
-        wrote = self.storage.write_new(path, payload)
-        if not wrote and self.judge(blob_id, codec) is not True:
-            self.storage.write_atomic(path, payload)
-            wrote = True
-        self.remember(blob_id, codec)
-        with self._lock:
-            self._trusted.add(blob_id)
-        return len(payload) if wrote else 0
+    def put_stored(self, blob_id: str, codec: str, nbytes: int, read) -> int:
+        """Store a blob of ``nbytes`` raw bytes whose stored bytes (``read()``, encoded with ``codec``) come from
+        another root of this job (a promotion from the memory tier), unless present and trusted (the rules of
+        :meth:`put`). The bytes are not hashed: the caller vouches for them. Returns bytes written (0 when
+        present); :meth:`sync` makes their directory entries durable."""
+        if self._reusable(blob_id, nbytes) is not None:
+            return 0
+        return self._write(blob_id, codec, read())
 
     def put_pack(self, pack_id: str, read) -> int:
         """Store a pack whose bytes (``read()``) come from another root of this job, unless a whole copy is
@@ -258,6 +254,16 @@ class BlobStore:
         with self._lock:
             self._trusted.add(pack_id)
         return len(payload)
+
+    @staticmethod
+    def intact(payload, blob_id: str, codec: str, nbytes: int, *, threads: bool = False) -> bool:
+        """Whether a blob's stored bytes ``payload`` decode (``codec``) to ``nbytes`` raw bytes hashing to
+        ``blob_id`` (decompression bounded by ``nbytes``)."""
+        try:
+            raw = payload if codec == "raw" else decompress(payload, nbytes)
+        except (ValueError, zstandard.ZstdError):
+            return False
+        return len(raw) == nbytes and digest_bytes(raw, threads=threads) == blob_id
 
     def sync(self) -> None:
         """Make the directory entries of the blobs written so far durable (before a manifest names them)."""

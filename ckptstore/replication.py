@@ -37,9 +37,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import msgpack
 import torch
-import zstandard
 
-from .blobs import decompress, digest_bytes
+from .blobs import BlobStore, digest_bytes
 from .errors import CheckpointError, CorruptCheckpointError
 from .layout import blob_path, check_blob_id, commit_path, manifest_path, pack_path, shards_path
 from .manifest import Manifest, decode_commit, decode_manifest
@@ -195,11 +194,7 @@ def _object_path(obj) -> Tuple[str, str, str, int, int]:
 def _intact(kind: str, oid: str, codec: str, nbytes: int, payload: bytes) -> bool:
     if kind == "pack":
         return digest_bytes(payload, threads=True) == oid
-    try:
-        raw = payload if codec == "raw" else decompress(payload, nbytes)
-    except (ValueError, zstandard.ZstdError):
-        return False
-    return len(raw) == nbytes and digest_bytes(raw, threads=True) == oid
+    return BlobStore.intact(payload, oid, codec, nbytes, threads=True)
 
 
 def make_offer(storage, step: int, rank: int, gen: int, manifest_bytes: bytes, manifest: Manifest,

@@ -343,7 +343,7 @@ class Saver:
             except Exception as e:          # the step is committed: a failed cleanup must not fail the save
                 log.error("step %d is committed; retention / gc after it failed: %s: %s", step,
                           type(e).__name__, e)
-            if p.uploader is not None and (p.remote is None or step % p.remote.every == 0):
+            if p.uploader is not None:
                 p.uploader.enqueue(step)
 
     # -- promotion: a committed step of another root (the memory tier) becomes a step of this one -------------
@@ -463,7 +463,7 @@ def copy_part(src, dst, blobs, manifest: Manifest) -> int:
     their directory entries durable. No hashing of bytes this job wrote (see :meth:`Saver.promote`). Returns
     the bytes written. Raises ``CorruptCheckpointError`` naming an object ``src`` lacks."""
     written = 0
-    dirs = set()
+    dirs = set()                                   # of the packs written (the blob store keeps the blobs')
     seen = set()
     for c in manifest.chunk_refs():
         key = c.pack if c.pack is not None else c.blob_id
@@ -473,15 +473,16 @@ def copy_part(src, dst, blobs, manifest: Manifest) -> int:
         path = pack_path(c.pack) if c.pack is not None else blob_path(c.blob_id, c.codec)
         try:
             if c.pack is None:
-                wrote = blobs.put_stored(c.blob_id, c.codec, lambda path=path: src.read_bytes(path))
+                wrote = blobs.put_stored(c.blob_id, c.codec, c.nbytes, lambda path=path: src.read_bytes(path))
             else:
                 wrote = blobs.put_pack(c.pack, lambda path=path: src.read_bytes(path))
+                if wrote:
+                    dirs.add(path.rsplit("/", 1)[0])
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{'pack' if c.pack else 'blob'} missing from {src.url}",
                                          step=manifest.step, blob=path) from None
-        if wrote:
-            written += wrote
-            dirs.add(path.rsplit("/", 1)[0])
+        written += wrote
+    blobs.sync()
     dst.sync(dirs)
     return written
 

@@ -20,9 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
-import zstandard
 
-from .blobs import decompress, digest_bytes, hash_stream
+from .blobs import BlobStore, digest_bytes, hash_stream
 from .catalog import Catalog, ManifestCache
 from .errors import CheckpointError, CorruptCheckpointError, UploadError
 from .layout import MAX_GENERATION, blob_path, commit_path, manifest_path, pack_path, shards_path, step_dir
@@ -303,13 +302,8 @@ class StepCopier:
         if streamed:
             sent = fetched = self._put_verified_file(step, path, local, blob_id, nbytes, "blob", blob_id)
         else:
-            def intact(b) -> bool:
-                try:
-                    raw = b if codec == "raw" else decompress(b, nbytes)           # bounded by nbytes
-                except (ValueError, zstandard.ZstdError):
-                    return False
-                return len(raw) == nbytes and digest_bytes(raw) == blob_id
-            payload = self._read_checked(step, path, "blob", blob_id, lambda: self.src.read_bytes(path), intact)
+            payload = self._read_checked(step, path, "blob", blob_id, lambda: self.src.read_bytes(path),
+                                         lambda b: BlobStore.intact(b, blob_id, codec, nbytes))
             wrote = self.call(lambda: self.dst.write_new(path, payload), f"write blob {blob_id}")
             sent, fetched = (len(payload) if wrote else 0), len(payload)
         if stats is not None:

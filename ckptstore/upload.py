@@ -127,6 +127,9 @@ class Uploader:
         return self._listed[0]
 
     def enqueue(self, step: int) -> None:
+        """Queue committed ``step`` for upload; a step that is not a multiple of ``every`` is not uploaded."""
+        if step % self.every:
+            return
         self.start()
         with self._cond:
             self._highest = max(self._highest, step)
