@@ -365,3 +365,58 @@ def test_non_blocking_saves_write_their_stubs_once_committed(tmp_path):
     assert got["global_step"] == 8
     assert torch.equal(got["state_dict"]["lin.weight"], model.lin.weight.detach())
     io.teardown()
+
+
+STUB_WORKER = Path(__file__).resolve().parent / "stub_worker.py"
+
+
+def _stub_proc(*args: str, stdin=None) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    return subprocess.Popen([sys.executable, "-u", str(STUB_WORKER), *map(str, args)], env=env, cwd=str(REPO),
+                            stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _stub_run(*args: str, want: int = 0) -> str:
+    p = _stub_proc(*args)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == want, f"stub_worker {args} exited {p.returncode}, expected {want}:\n{out[-3000:]}"
+    return out
+
+
+@pytest.mark.slow
+def test_stub_temp_file_of_a_killed_writer_is_removed_a_live_writers_kept(tmp_path):
+    """A process SIGKILLed inside the stub write (after the commit; its ``.ckptstore-stub-*.tmp`` created) leaves
+    the temporary file in Lightning's checkpoint dir; the restarted run's ``resume_path()`` rewrites the missing stub
+    and removes the leftover. That run, caught alive mid-write (its own temporary file created), keeps its file
+    while another writer saves and writes a stub in the same dir, then finishes."""
+    from ckptstore.integrations.lightning import CkptstoreCheckpointIO, read_stub
+    root, names = tmp_path / "store", tmp_path / "names"
+
+    def leftovers():
+        return sorted(p.name for p in names.iterdir() if p.name.startswith(".ckptstore-stub-"))
+
+    _stub_run("save", root, names / "step=2.ckpt", "2", "--kill-in-stub", want=-signal.SIGKILL)
+    killed = leftovers()
+    assert len(killed) == 1 and not (names / "step=2.ckpt").exists(), killed   # the window is real
+
+    restarted = _stub_proc("resume", root, "--hold-in-stub", stdin=subprocess.PIPE)
+    try:
+        line = restarted.stdout.readline()
+        assert line.startswith("HOLDING "), line + restarted.stdout.read()
+        held = Path(line.split(" ", 1)[1].strip())
+        assert leftovers() == [held.name] and held.name not in killed
+        io = CkptstoreCheckpointIO(tmp_path / "store2")       # another writer in the same dir, meanwhile
+        io.save_checkpoint({"global_step": 4, "state_dict": {"w": torch.zeros(2)}}, names / "other.ckpt")
+        io.teardown()
+        assert read_stub(names / "other.ckpt")["step"] == 4
+        assert held.exists(), "a live writer's temporary file was removed"
+        restarted.stdin.write("go\n")
+        restarted.stdin.flush()
+        out, _ = restarted.communicate(timeout=60)
+        assert restarted.returncode == 0 and f"RESUME {names / 'step=2.ckpt'}" in out, out
+    finally:
+        if restarted.poll() is None:
+            restarted.kill()
+    assert read_stub(names / "step=2.ckpt")["step"] == 2
+    assert leftovers() == []

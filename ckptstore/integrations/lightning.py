@@ -23,6 +23,7 @@ method this module overrides or calls (written against Lightning 2.6).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import json
 import logging
@@ -112,26 +113,82 @@ def read_stub(path) -> Optional[Dict[str, Any]]:
     return stub
 
 
+_STUB_TMP_PREFIX, _STUB_TMP_SUFFIX = ".ckptstore-stub-", ".tmp"
+
+
+@contextlib.contextmanager
+def _stub_dir_lock(d: str):
+    """Hold a shared ``flock`` on the directory ``d`` while a stub is written in it; just before, when no other
+    writer holds it (an exclusive lock is granted at once), remove the temporary files writers killed mid-write
+    left there.
+
+    Every stub writer (every process and thread: ``flock`` locks belong to an open file description) holds the
+    shared lock from creating its temporary file until the rename, so a temporary file present while the
+    exclusive lock is held has no live writer: the kernel released its writer's lock when the writer died. Where
+    directories cannot be locked (no ``fcntl``; a filesystem refusing ``flock`` on a directory, e.g. some NFS
+    mounts), stubs are written the same way and nothing is removed."""
+    try:
+        import fcntl
+        dfd: Optional[int] = os.open(d, os.O_RDONLY)
+    except (ImportError, OSError):
+        dfd = None
+    if dfd is None:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:                      # another writer is writing now: sweep next time
+            fcntl.flock(dfd, fcntl.LOCK_SH)
+        except OSError as e:
+            log.debug("no flock on %s (%s): leftover stub temporary files are not removed", d, e)
+        else:
+            _sweep_stub_tmp(d)
+            fcntl.flock(dfd, fcntl.LOCK_SH)          # (not atomic: no temporary file of ours exists yet)
+        yield
+    finally:
+        os.close(dfd)                                # releases the lock
+
+
+def _sweep_stub_tmp(d: str) -> None:
+    """Remove the stub temporary files in ``d`` (call only with ``d`` locked exclusively: no live writer)."""
+    try:
+        names = [e.name for e in os.scandir(d) if e.name.startswith(_STUB_TMP_PREFIX)
+                 and e.name.endswith(_STUB_TMP_SUFFIX) and e.is_file(follow_symlinks=False)]
+    except OSError:
+        return
+    for n in names:
+        try:
+            os.unlink(os.path.join(d, n))
+            log.info("removed %s, left by a stub writer that was killed mid-write", os.path.join(d, n))
+        except FileNotFoundError:
+            pass
+
+
 def write_stub(path, root: str, step: int) -> None:
-    """Write the stub for ``step`` of the store at ``root`` to ``path`` atomically (temporary file, fsync, rename)."""
+    """Write the stub for ``step`` of the store at ``root`` to ``path`` atomically (temporary file
+    ``.ckptstore-stub-*.tmp`` in the same directory, fsync, rename). Temporary files that writers killed mid-write
+    left in that directory are removed first, unless another writer is writing there (see ``_stub_dir_lock``);
+    a live writer's temporary file is never removed."""
     path = os.fspath(path)
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     data = json.dumps({"format": STUB_FORMAT, "root": root, "step": int(step)}).encode()
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".ckptstore-stub-", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+    with _stub_dir_lock(d):
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=_STUB_TMP_PREFIX, suffix=_STUB_TMP_SUFFIX)
         try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+            os.fchmod(fd, 0o644)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
     try:
         dfd = os.open(d, os.O_RDONLY)
         try:
