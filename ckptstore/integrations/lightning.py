@@ -16,6 +16,11 @@ when the local disk was wiped), or ``None``: ``trainer.fit(model, ckpt_path=io.r
 Lightning saves no RNG state; the adapter saves ``ckptstore.RNGState()`` (Python, NumPy, torch CPU and the current
 CUDA device) with every step and restores it on resume (see ``CkptstoreCheckpointIO.callback`` for when).
 
+A checkpoint taken on an epoch's last batch (or at its end) with a resumable loader's state (torchdata's
+``StatefulDataLoader``) does not resume exactly under Lightning 2.6 (an epoch is skipped, or the loader starts
+over), whichever CheckpointIO saved it: the adapter logs a warning at the first such save and at every load of one
+(docs/integrations/lightning.md).
+
 Only ckptstore's public API is used. Importing this module imports Lightning (``lightning``, else
 ``pytorch_lightning``); it raises ``ImportError`` naming the missing methods when the installed Lightning lacks a
 method this module overrides or calls (written against Lightning 2.6).
@@ -276,6 +281,55 @@ def _loader_states_saved(checkpoint: Mapping[str, Any]) -> bool:
         return False
 
 
+def _epoch_end_hazard(checkpoint: Mapping[str, Any]) -> Optional[str]:
+    """Why resuming ``checkpoint`` is not exact, when it was taken on an epoch's last batch (or at the epoch's end)
+    with a resumable data loader's state saved; ``None`` otherwise (mid-epoch, or a plain loader).
+
+    Seen with Lightning 2.6.6 + torchdata 0.11 ``StatefulDataLoader``, with Lightning's own ``TorchCheckpointIO``
+    as with this adapter (docs/integrations/lightning.md, "Random state and data position"): Lightning counts the
+    finished epoch on restore while the loader's saved state still has the rest of that epoch (nothing) to give, so
+    the next epoch is trained under the following epoch's number and a ``max_epochs`` run ends one epoch early; from
+    a save at the epoch's end (``on_train_epoch_end``) the next epoch takes a fresh loader's order instead of the
+    uninterrupted run's."""
+    if not _loader_states_saved(checkpoint):
+        return None
+    try:
+        progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+        last, current = progress["is_last_batch"], progress["current"]
+        at_batch_end = current["completed"] < current["ready"]
+    except (KeyError, TypeError):
+        return None
+    if last is not True:
+        return None
+    epoch, step = checkpoint.get("epoch"), checkpoint.get("global_step")
+    if at_batch_end:
+        return (f"step {step} was saved on the last batch of epoch {epoch} with a resumable data loader's state: "
+                f"Lightning 2.6 resumes it one epoch too far (the next epoch's batches are trained as epoch "
+                f"{epoch + 2 if isinstance(epoch, int) else 'N+2'} and a max_epochs run ends one epoch early)")
+    return (f"step {step} was saved at the end of epoch {epoch} with a resumable data loader's state: Lightning 2.6 "
+            f"resumes it with the loader starting over (a shuffling loader gives the next epoch a fresh loader's "
+            f"first order, not the uninterrupted run's)")
+
+
+_HAZARD_ADVICE = ("resume from a checkpoint saved mid-epoch, save on steps that are not an epoch's last batch, or "
+                  "use a plain DataLoader for epoch-boundary checkpoints (docs/integrations/lightning.md, 'Random "
+                  "state and data position')")
+
+
+def _warn_hazard(owner: Any, checkpoint: Mapping[str, Any], saving: bool) -> None:
+    """Log :func:`_epoch_end_hazard` as a warning: at every load of such a checkpoint, at the first such save of
+    ``owner`` (later ones at INFO)."""
+    why = _epoch_end_hazard(checkpoint)
+    if why is None:
+        return
+    if not saving:
+        log.warning("resuming: %s; to resume exactly, %s", why, _HAZARD_ADVICE)
+        return
+    first = not getattr(owner, "_ckpt_hazard_warned", False)
+    owner._ckpt_hazard_warned = True
+    log.log(logging.WARNING if first else logging.INFO, "%s; to resume exactly, %s", why, _HAZARD_ADVICE)
+
+
 class _RNGRestore:
     """Applies a saved RNG state at the right moment of a resumed ``fit``.
 
@@ -453,6 +507,7 @@ class CkptstoreCheckpointIO(CheckpointIO):
             raise TypeError(f"checkpoint['global_step'] must be an int, got {type(step).__name__} (saving {path})")
         state = {"lightning": sanitize_checkpoint(checkpoint), "rng": RNGState()}
         name = os.fspath(path)
+        _warn_hazard(self, checkpoint, saving=True)
         store = self.store
         self._flush_stubs(wait=True)             # save() waits for the previous save anyway
         if self.blocking:
@@ -484,7 +539,9 @@ class CkptstoreCheckpointIO(CheckpointIO):
         step = self._step_of(path)
         if step is None and os.path.exists(os.fspath(path)):
             log.info("%s is not a ckptstore stub: loading it with Lightning's TorchCheckpointIO", path)
-            return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=True)
+            checkpoint = TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=True)
+            _warn_hazard(self, checkpoint, saving=False)
+            return checkpoint
         with self._reader() as reader:
             if step is None:
                 step = reader.find(os.fspath(path))
@@ -493,6 +550,7 @@ class CkptstoreCheckpointIO(CheckpointIO):
                                             f"of {self.root} is named so")
             loaded = reader.load(step, map_location=map_location if map_location is not None else "cpu")
         checkpoint = loaded["lightning"]
+        _warn_hazard(self, checkpoint, saving=False)
         if "rng" in loaded:
             self._rng.arrive(loaded["rng"], defer=_loader_states_saved(checkpoint),
                              have_train_start=self.callback.attached)
@@ -715,6 +773,8 @@ class CkptstoreModelParallelStrategy(ModelParallelStrategy):
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"checkpoint['global_step'] must be an int, got {type(step).__name__} (saving {name})")
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        if self.global_rank == 0:
+            _warn_hazard(self, rest, saving=True)
         state = {"app": _AppState(self.model, [getattr(o, "_optimizer", o) for o in self.optimizers]),
                  "rng": RNGState(), "lightning": sanitize_checkpoint(rest)}
         store = self.store
@@ -756,6 +816,8 @@ class CkptstoreModelParallelStrategy(ModelParallelStrategy):
         state = {"app": _AppState(self.model, [getattr(o, "_optimizer", o) for o in self.optimizers]), "rng": rng,
                  "lightning": {}}
         store.restore(state, step, rank_local="fresh")
+        if self.global_rank == 0:
+            _warn_hazard(self, state["lightning"], saving=False)
         if rng.loaded is not None:
             self._rng.arrive(rng.loaded, defer=True, have_train_start=True)
         else:
