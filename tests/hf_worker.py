@@ -98,6 +98,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--plain", action="store_true", help="transformers' own Trainer (its own checkpoints)")
     p.add_argument("--log")
     p.add_argument("--n-train", type=int, default=32)
+    p.add_argument("--no-use-cpu", action="store_true", help="TrainingArguments(use_cpu=False): under torchrun on "
+                   "CPU, HF then trains independent processes (tests the adapter's check)")
     return p.parse_args(argv)
 
 
@@ -115,7 +117,7 @@ def make_trainer(a: argparse.Namespace):
     args = TrainingArguments(
         output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=4, per_device_eval_batch_size=8,
         learning_rate=3e-3, logging_steps=1, save_strategy="steps", save_steps=a.save_steps,
-        save_total_limit=a.limit, save_only_model=a.save_only_model, report_to=[], use_cpu=True, seed=0,
+        save_total_limit=a.limit, save_only_model=a.save_only_model, report_to=[], use_cpu=not a.no_use_cpu, seed=0,
         disable_tqdm=True, dataloader_num_workers=0, **kw)
     ds_train, ds_eval = RandomTokens(a.n_train, 1), RandomTokens(8, 2)
     if a.plain:

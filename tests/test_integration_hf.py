@@ -205,6 +205,29 @@ def test_ddp_two_ranks_killed_and_resumed_bit_for_bit(tmp_path):
         assert s.commit_info(8).world_size == 2
 
 
+@pytest.mark.slow
+def test_ddp_on_cpu_without_use_cpu_is_refused_at_set_up(tmp_path):
+    """torchrun-style 2 ranks on CPU with ``TrainingArguments(use_cpu=False)``: accelerate opens the gloo process
+    group but reports DistributedType.NO, so HF trains two independent copies (process_index 0 of world_size 1 on
+    both) while the Store is rank r of 2 and would save collectively. Both ranks stop in the trainer's
+    constructor with a ValueError naming both sides and the fix; nothing is trained or saved."""
+    from ckptstore import Store
+    job = launch(2, "--out", str(tmp_path / "out"), "--store", str(tmp_path / "store"), "--log",
+                 str(tmp_path / "log"), "--steps", "4", "--no-use-cpu")
+    out = job.wait(240)
+    assert out == {0: None, 1: None}
+    for r, p in enumerate(job.procs):
+        text = job.outputs[r]
+        assert p.returncode == 1, f"rank {r} exited {p.returncode}:\n{text[-3000:]}"
+        assert "ValueError: ckptstore: transformers and the Store disagree" in text, text[-3000:]
+        assert "process_index 0 of world_size 1 (parallel_mode NOT_PARALLEL)" in text, text[-3000:]
+        assert f"the Store is rank {r} of 2 (a torch.distributed process group of 2 ranks" in text, text[-3000:]
+        assert "use_cpu=True" in text
+    assert not (tmp_path / "log").exists()
+    with Store(tmp_path / "store", read_only=True, rank=0, world_size=1) as s:
+        assert s.steps() == []
+
+
 def test_import_fails_clearly_without_an_overridden_method(monkeypatch):
     """A transformers whose Trainer lacks a method the adapter overrides (or of another major version) fails at
     import with an ImportError naming the method and the supported versions."""

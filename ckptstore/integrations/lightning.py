@@ -16,6 +16,11 @@ when the local disk was wiped), or ``None``: ``trainer.fit(model, ckpt_path=io.r
 Lightning saves no RNG state; the adapter saves ``ckptstore.RNGState()`` (Python, NumPy, torch CPU and the current
 CUDA device) with every step and restores it on resume (see ``CkptstoreCheckpointIO.callback`` for when).
 
+A checkpoint taken on an epoch's last batch (or at its end) with a resumable loader's state (torchdata's
+``StatefulDataLoader``) does not resume exactly under Lightning 2.6 (an epoch is skipped, or the loader starts
+over), whichever CheckpointIO saved it: the adapter logs a warning at the first such save and at every load of one
+(docs/integrations/lightning.md).
+
 Only ckptstore's public API is used. Importing this module imports Lightning (``lightning``, else
 ``pytorch_lightning``); it raises ``ImportError`` naming the missing methods when the installed Lightning lacks a
 method this module overrides or calls (written against Lightning 2.6).
@@ -23,6 +28,7 @@ method this module overrides or calls (written against Lightning 2.6).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import json
 import logging
@@ -112,26 +118,82 @@ def read_stub(path) -> Optional[Dict[str, Any]]:
     return stub
 
 
+_STUB_TMP_PREFIX, _STUB_TMP_SUFFIX = ".ckptstore-stub-", ".tmp"
+
+
+@contextlib.contextmanager
+def _stub_dir_lock(d: str):
+    """Hold a shared ``flock`` on the directory ``d`` while a stub is written in it; just before, when no other
+    writer holds it (an exclusive lock is granted at once), remove the temporary files writers killed mid-write
+    left there.
+
+    Every stub writer (every process and thread: ``flock`` locks belong to an open file description) holds the
+    shared lock from creating its temporary file until the rename, so a temporary file present while the
+    exclusive lock is held has no live writer: the kernel released its writer's lock when the writer died. Where
+    directories cannot be locked (no ``fcntl``; a filesystem refusing ``flock`` on a directory, e.g. some NFS
+    mounts), stubs are written the same way and nothing is removed."""
+    try:
+        import fcntl
+        dfd: Optional[int] = os.open(d, os.O_RDONLY)
+    except (ImportError, OSError):
+        dfd = None
+    if dfd is None:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:                      # another writer is writing now: sweep next time
+            fcntl.flock(dfd, fcntl.LOCK_SH)
+        except OSError as e:
+            log.debug("no flock on %s (%s): leftover stub temporary files are not removed", d, e)
+        else:
+            _sweep_stub_tmp(d)
+            fcntl.flock(dfd, fcntl.LOCK_SH)          # (not atomic: no temporary file of ours exists yet)
+        yield
+    finally:
+        os.close(dfd)                                # releases the lock
+
+
+def _sweep_stub_tmp(d: str) -> None:
+    """Remove the stub temporary files in ``d`` (call only with ``d`` locked exclusively: no live writer)."""
+    try:
+        names = [e.name for e in os.scandir(d) if e.name.startswith(_STUB_TMP_PREFIX)
+                 and e.name.endswith(_STUB_TMP_SUFFIX) and e.is_file(follow_symlinks=False)]
+    except OSError:
+        return
+    for n in names:
+        try:
+            os.unlink(os.path.join(d, n))
+            log.info("removed %s, left by a stub writer that was killed mid-write", os.path.join(d, n))
+        except FileNotFoundError:
+            pass
+
+
 def write_stub(path, root: str, step: int) -> None:
-    """Write the stub for ``step`` of the store at ``root`` to ``path`` atomically (temporary file, fsync, rename)."""
+    """Write the stub for ``step`` of the store at ``root`` to ``path`` atomically (temporary file
+    ``.ckptstore-stub-*.tmp`` in the same directory, fsync, rename). Temporary files that writers killed mid-write
+    left in that directory are removed first, unless another writer is writing there (see ``_stub_dir_lock``);
+    a live writer's temporary file is never removed."""
     path = os.fspath(path)
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     data = json.dumps({"format": STUB_FORMAT, "root": root, "step": int(step)}).encode()
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".ckptstore-stub-", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+    with _stub_dir_lock(d):
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=_STUB_TMP_PREFIX, suffix=_STUB_TMP_SUFFIX)
         try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+            os.fchmod(fd, 0o644)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
     try:
         dfd = os.open(d, os.O_RDONLY)
         try:
@@ -217,6 +279,55 @@ def _loader_states_saved(checkpoint: Mapping[str, Any]) -> bool:
         return bool(checkpoint["loops"]["fit_loop"]["state_dict"].get("combined_loader"))
     except (KeyError, TypeError, AttributeError):
         return False
+
+
+def _epoch_end_hazard(checkpoint: Mapping[str, Any]) -> Optional[str]:
+    """Why resuming ``checkpoint`` is not exact, when it was taken on an epoch's last batch (or at the epoch's end)
+    with a resumable data loader's state saved; ``None`` otherwise (mid-epoch, or a plain loader).
+
+    Seen with Lightning 2.6.6 + torchdata 0.11 ``StatefulDataLoader``, with Lightning's own ``TorchCheckpointIO``
+    as with this adapter (docs/integrations/lightning.md, "Random state and data position"): Lightning counts the
+    finished epoch on restore while the loader's saved state still has the rest of that epoch (nothing) to give, so
+    the next epoch is trained under the following epoch's number and a ``max_epochs`` run ends one epoch early; from
+    a save at the epoch's end (``on_train_epoch_end``) the next epoch takes a fresh loader's order instead of the
+    uninterrupted run's."""
+    if not _loader_states_saved(checkpoint):
+        return None
+    try:
+        progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+        last, current = progress["is_last_batch"], progress["current"]
+        at_batch_end = current["completed"] < current["ready"]
+    except (KeyError, TypeError):
+        return None
+    if last is not True:
+        return None
+    epoch, step = checkpoint.get("epoch"), checkpoint.get("global_step")
+    if at_batch_end:
+        return (f"step {step} was saved on the last batch of epoch {epoch} with a resumable data loader's state: "
+                f"Lightning 2.6 resumes it one epoch too far (the next epoch's batches are trained as epoch "
+                f"{epoch + 2 if isinstance(epoch, int) else 'N+2'} and a max_epochs run ends one epoch early)")
+    return (f"step {step} was saved at the end of epoch {epoch} with a resumable data loader's state: Lightning 2.6 "
+            f"resumes it with the loader starting over (a shuffling loader gives the next epoch a fresh loader's "
+            f"first order, not the uninterrupted run's)")
+
+
+_HAZARD_ADVICE = ("resume from a checkpoint saved mid-epoch, save on steps that are not an epoch's last batch, or "
+                  "use a plain DataLoader for epoch-boundary checkpoints (docs/integrations/lightning.md, 'Random "
+                  "state and data position')")
+
+
+def _warn_hazard(owner: Any, checkpoint: Mapping[str, Any], saving: bool) -> None:
+    """Log :func:`_epoch_end_hazard` as a warning: at every load of such a checkpoint, at the first such save of
+    ``owner`` (later ones at INFO)."""
+    why = _epoch_end_hazard(checkpoint)
+    if why is None:
+        return
+    if not saving:
+        log.warning("resuming: %s; to resume exactly, %s", why, _HAZARD_ADVICE)
+        return
+    first = not getattr(owner, "_ckpt_hazard_warned", False)
+    owner._ckpt_hazard_warned = True
+    log.log(logging.WARNING if first else logging.INFO, "%s; to resume exactly, %s", why, _HAZARD_ADVICE)
 
 
 class _RNGRestore:
@@ -396,6 +507,7 @@ class CkptstoreCheckpointIO(CheckpointIO):
             raise TypeError(f"checkpoint['global_step'] must be an int, got {type(step).__name__} (saving {path})")
         state = {"lightning": sanitize_checkpoint(checkpoint), "rng": RNGState()}
         name = os.fspath(path)
+        _warn_hazard(self, checkpoint, saving=True)
         store = self.store
         self._flush_stubs(wait=True)             # save() waits for the previous save anyway
         if self.blocking:
@@ -427,7 +539,9 @@ class CkptstoreCheckpointIO(CheckpointIO):
         step = self._step_of(path)
         if step is None and os.path.exists(os.fspath(path)):
             log.info("%s is not a ckptstore stub: loading it with Lightning's TorchCheckpointIO", path)
-            return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=True)
+            checkpoint = TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=True)
+            _warn_hazard(self, checkpoint, saving=False)
+            return checkpoint
         with self._reader() as reader:
             if step is None:
                 step = reader.find(os.fspath(path))
@@ -436,6 +550,7 @@ class CkptstoreCheckpointIO(CheckpointIO):
                                             f"of {self.root} is named so")
             loaded = reader.load(step, map_location=map_location if map_location is not None else "cpu")
         checkpoint = loaded["lightning"]
+        _warn_hazard(self, checkpoint, saving=False)
         if "rng" in loaded:
             self._rng.arrive(loaded["rng"], defer=_loader_states_saved(checkpoint),
                              have_train_start=self.callback.attached)
@@ -658,6 +773,8 @@ class CkptstoreModelParallelStrategy(ModelParallelStrategy):
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"checkpoint['global_step'] must be an int, got {type(step).__name__} (saving {name})")
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        if self.global_rank == 0:
+            _warn_hazard(self, rest, saving=True)
         state = {"app": _AppState(self.model, [getattr(o, "_optimizer", o) for o in self.optimizers]),
                  "rng": RNGState(), "lightning": sanitize_checkpoint(rest)}
         store = self.store
@@ -699,6 +816,8 @@ class CkptstoreModelParallelStrategy(ModelParallelStrategy):
         state = {"app": _AppState(self.model, [getattr(o, "_optimizer", o) for o in self.optimizers]), "rng": rng,
                  "lightning": {}}
         store.restore(state, step, rank_local="fresh")
+        if self.global_rank == 0:
+            _warn_hazard(self, state["lightning"], saving=False)
         if rng.loaded is not None:
             self._rng.arrive(rng.loaded, defer=True, have_train_start=True)
         else:

@@ -122,7 +122,8 @@ class CkptstoreTrainerMixin:
     checkpoint directory).
 
     Raises ``NotImplementedError`` under DeepSpeed or FSDP, ``ValueError`` for Store arguments given with a
-    ready ``Store``.
+    ready ``Store``, and ``ValueError`` naming both sides when the Store's rank / world size differ from
+    ``TrainingArguments``' ``process_index`` / ``world_size`` (e.g. torchrun on CPU without ``use_cpu=True``).
     """
 
     def __init__(self, *args, store: Any = None, remote: Any = None,
@@ -144,15 +145,53 @@ class CkptstoreTrainerMixin:
             extra += sorted(store_kwargs)
             if extra:
                 raise ValueError(f"store= is a ready Store: pass {extra} to Store(...) instead")
+            self._ckpt_check_processes(store)
             self.store = store
             self._ckpt_remote_url = getattr(getattr(store, "remote_storage", None), "url", None)
             return
         root = os.fspath(store) if store is not None else os.path.join(self.args.output_dir, "ckptstore")
         if "keep" not in store_kwargs:
             store_kwargs["keep"] = self._ckpt_retention()
+        opened = Store(root, remote=remote, storage_options=storage_options, **store_kwargs)
+        try:
+            self._ckpt_check_processes(opened)
+        except ValueError:
+            opened.close()
+            raise
         #: the ckptstore.Store every checkpoint goes to
-        self.store = Store(root, remote=remote, storage_options=storage_options, **store_kwargs)
+        self.store = opened
         self._ckpt_remote_url = getattr(self.store.remote_storage, "url", None)
+
+    def _ckpt_check_processes(self, store: Store) -> None:
+        """Raise ``ValueError`` naming both sides when the Store's rank / world size differ from the process
+        index / world size ``TrainingArguments`` give (what HF trains with): a save would then be collective over
+        processes that HF trains independently (each believing it is the only one), or the reverse, and hang or
+        write one step from unrelated processes.
+
+        The common cause (transformers 5, accelerate 1.x): ``torchrun`` on CPU without
+        ``TrainingArguments(use_cpu=True)``. accelerate's ``PartialState`` then opens the torch.distributed
+        process group (world size N) but reports ``DistributedType.NO``, so ``args.parallel_mode`` is
+        ``NOT_PARALLEL``, ``args.world_size`` is 1 and every process is ``process_index`` 0, while the Store (rank
+        and world size from the process group) saves collectively over N ranks."""
+        hf = (int(self.args.process_index), int(self.args.world_size))
+        mine = (int(store.rank), int(store.world_size))
+        if hf == mine:
+            return
+        import torch.distributed as dist
+        group = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+        mode = getattr(self.args.parallel_mode, "name", self.args.parallel_mode)
+        seen = (f"a torch.distributed process group of {group} ranks is initialised" if group is not None
+                else "no torch.distributed process group is initialised")
+        fix = (" On CPU under torchrun, pass TrainingArguments(use_cpu=True): accelerate then trains the ranks as "
+               "one DDP job over gloo (without it, accelerate opens the process group but reports "
+               "DistributedType.NO, and HF trains independent copies)." if group is not None and hf[1] == 1 else "")
+        raise ValueError(
+            f"ckptstore: transformers and the Store disagree about this process: TrainingArguments give "
+            f"process_index {hf[0]} of world_size {hf[1]} (parallel_mode {mode}), the Store is rank {mine[0]} of "
+            f"{mine[1]} ({seen}); a save would be collective over processes HF does not train together: it "
+            f"would hang, or commit steps assembled from independently trained processes.{fix} To train separate "
+            f"processes on purpose, give each its own "
+            f"store=Store(<its own root>, rank={hf[0]}, world_size={hf[1]}).")
 
     # -- mapping TrainingArguments ------------------------------------------------------------------------
     def _ckpt_metric(self) -> Optional[str]:
