@@ -4,10 +4,12 @@ tests start, through tests/faultproxy.py with botocore's own response checksums 
 hash mismatch or a short body is a transfer error first and is read again within the retry policy's deadline;
 only the same bad bytes twice in a row make an object damaged (resume falls back to an older step, as before);
 a step that cannot be read intact within the deadline makes resume raise, never start fresh."""
+import time
+
 import pytest
 import torch
 
-from ckptstore import Packing, Remote, RetryPolicy, Store, Writing
+from ckptstore import Packing, Remote, RetryPolicy, Store, TransferError, Writing
 
 pytestmark = pytest.mark.remote
 
@@ -75,6 +77,32 @@ def test_a_few_damaged_transfers_still_resume_the_newest_step(tmp_path, s3_bucke
     assert _same(target, 3)
 
 
+@pytest.mark.parametrize("match", [STEP_OBJECTS, DATA_OBJECTS], ids=["markers", "data"])
+def test_transfers_damaged_until_the_deadline_make_resume_raise_naming_the_step(tmp_path, s3_bucket_url, match):
+    """Every GET of the steps' objects comes back damaged, differently each time (a network fault that outlasts
+    the retry deadline): resume raises TransferError naming the newest step, within about the deadline, and
+    loads nothing (before: every step taken for damaged, a fresh start)."""
+    url, opts = s3_bucket_url
+    _three_steps(tmp_path, url, opts)
+    with _proxy(opts) as proxy:
+        proxy.damage(None, match, kind="mixed")
+        with _reader(tmp_path, url, opts, proxy) as s:
+            target = _target()
+            t0 = time.monotonic()
+            with pytest.raises(TransferError) as raised:
+                s.resume(target)
+            took = time.monotonic() - t0
+            assert s.steps() == []                     # nothing pulled, nothing committed here
+            if match == STEP_OBJECTS:                  # the commit marker unreadable: resolve() says so too
+                with pytest.raises(TransferError, match="COMMIT"):
+                    s.resolve()
+        assert proxy.counts["damaged"] >= 2
+    assert raised.value.step == 3 and "step 3" in str(raised.value)
+    assert target["step"] == 0 and not target["w"].any()
+    # one object's re-reads end once the deadline is spent; the reads themselves answer at once here
+    assert took < 2 * POLICY.deadline + 2 * POLICY.op_timeout + 10, took
+
+
 def test_an_object_damaged_on_the_server_still_falls_back_to_the_older_step(tmp_path, s3_bucket_url, s3_server):
     """Step 3's own pack is overwritten in the bucket with one byte flipped: the same bad bytes come back on
     every read, so it is damage, and resume falls back to step 2, as before (no TransferError)."""
@@ -102,3 +130,45 @@ def test_an_object_damaged_on_the_server_still_falls_back_to_the_older_step(tmp_
     assert got == 2
     assert _same(target, 2)
 
+
+def test_a_transfer_error_on_one_rank_raises_on_every_rank_naming_the_step():
+    """Ranks agree on each candidate step (a real c10d TCPStore on 127.0.0.1, one thread per rank): rank 1
+    cannot read step 3 within the deadline (the UploadError RetryPolicy raises for a read still failing then,
+    a TransferError), rank 0 loaded it. Every rank raises TransferError naming step 3; none falls back to step 2
+    (before: every rank took step 2)."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ckptstore.collective import StoreCoordinator
+    from ckptstore.errors import UploadError
+    from ckptstore.resume import first_valid_step
+
+    server = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    outcome, tried = {}, {0: [], 1: []}
+
+    def rank(r):
+        kv = server if r == 0 else dist.TCPStore("127.0.0.1", server.port, 2, False, timeout=timedelta(seconds=30))
+        coord = StoreCoordinator(r, 2, kv_store=kv, instance=0)
+
+        def attempt(step, tier):
+            tried[r].append(step)
+            if r == 1 and step == 3:
+                raise UploadError("read_bytes steps/000000000003/manifest-rank00001.msgpack of s3://b: gave up "
+                                  "after 9 attempt(s) in 4.0 s (deadline 4 s): ConnectionResetError")
+            return tier
+        try:
+            outcome[r] = first_valid_step(lambda: [(3, "remote"), (2, "remote")], attempt, coord=coord,
+                                          tag="resume", timeout=30)
+        except BaseException as e:
+            outcome[r] = e
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for r in (0, 1):
+        assert isinstance(outcome[r], TransferError), (r, outcome[r])
+        assert outcome[r].step == 3 and "step 3" in str(outcome[r]), outcome[r]
+        assert tried[r] == [3]
