@@ -7,7 +7,8 @@
 """
 __version__ = "0.1.0"
 
-from .errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError, UploadError  # noqa: E402
+from .errors import (CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError, TransferError,  # noqa: E402
+                     UploadError)
 from .commit import CommitError  # noqa: E402
 from .data import ElasticSampler  # noqa: E402
 from .memory import Memory  # noqa: E402
@@ -24,4 +25,4 @@ install_log_filter()              # no credential in any ckptstore log line
 
 __all__ = ["Store", "Memory", "Remote", "Writing", "Packing", "Retention", "RetryPolicy", "RNGState", "SaveResult",
            "ElasticSampler", "CheckpointError", "CorruptCheckpointError", "IncompatibleCheckpointError",
-           "UploadError", "CommitError", "ReplicationError", "__version__"]
+           "TransferError", "UploadError", "CommitError", "ReplicationError", "__version__"]

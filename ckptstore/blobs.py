@@ -11,15 +11,20 @@ runs at ~6 GB/s per core here, above the disk's 2.6 GB/s; SHA-256 (1.7 GB/s) wou
 from __future__ import annotations
 
 import contextlib
-
+import logging
 import threading
-from typing import Dict, Optional, Set, Tuple
+import time
+from typing import Callable, Dict, Optional, Set, Tuple, TypeVar
 
 import blake3
 import zstandard
 
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, DamagedRead, TransferError
 from .layout import QUARANTINE, blob_path, pack_path
+from .retry import RetryPolicy
+
+log = logging.getLogger("ckptstore")
+T = TypeVar("T")
 
 CODECS = ("raw", "zstd")
 _MT_HASH_BYTES = 16 << 20           # multi-threaded hashing pays only for large buffers
@@ -78,6 +83,54 @@ def decompress(payload, nbytes: int) -> bytes:
     out = bytearray(nbytes)
     got = decompress_into(payload, memoryview(out))
     return bytes(out) if got == nbytes else bytes(out[:got])
+
+
+def read_verified(storage, path: str, read: Callable[[], T], *,
+                  damaged: Optional[Callable[[DamagedRead], BaseException]] = None) -> T:
+    """``read()``: one read of ``path`` from ``storage`` and the check of what came back, which raises
+    :class:`~ckptstore.errors.DamagedRead` (its ``got``: the bad bytes' digest, or their length) for bytes that
+    fail it. Returns ``read()``'s value. Bad bytes are judged here, for every verified read (FORMAT.md "Read
+    verification"):
+
+    * from a local file: damage at rest, at once;
+    * from an object store: a transfer error first (a flipped byte or a cut body, which HTTP checks do not
+      catch when the service sends no checksum or the client checks none): read again, backing off as the
+      storage's :class:`~ckptstore.retry.RetryPolicy` does (``RetryingReads.policy``; the default policy
+      otherwise), until the bytes are good, or two reads in a row bring back the same bad bytes: damage at rest
+      (the object itself), or the policy's deadline (seconds, from the first read) has passed: then
+      :class:`~ckptstore.errors.TransferError` naming the object, the object is not called damaged.
+
+    Damage at rest raises ``damaged(error)`` when given (a blob's quarantine rule), else the error's ``final``
+    or a ``CorruptCheckpointError`` with its message. No random draw: the backoff has no jitter (item 1 of
+    issue 26: ckptstore never draws from the caller's generators)."""
+    def verified(e: DamagedRead, note: str = "") -> BaseException:
+        if damaged is not None:
+            return damaged(e)
+        return e.final or CorruptCheckpointError(e.reason + note, step=e.step, key=e.key, blob=e.blob)
+    start, last, attempt, policy = time.monotonic(), None, 0, None
+    while True:
+        attempt += 1
+        try:
+            return read()
+        except DamagedRead as e:
+            if attempt == 1:
+                if storage.local_path(path) is not None:
+                    raise verified(e) from None
+                policy = getattr(storage, "policy", None) or RetryPolicy()
+            elif e.got == last:
+                raise verified(e, f" (the same bytes in {attempt} reads in a row)") from None
+            last = e.got
+            elapsed = time.monotonic() - start
+            if attempt > 1 and elapsed >= policy.deadline:
+                raise TransferError(
+                    f"{path} of {storage.url}: {attempt} reads in {elapsed:.1f} s brought back bad bytes, different "
+                    f"ones each time (last: {e.reason}): damaged in transfer, not where stored; the retry deadline "
+                    f"({policy.deadline:g} s) is spent", step=e.step, key=e.key, blob=e.blob) from None
+            pause = min(policy.max_backoff, policy.backoff * 2 ** (attempt - 1),
+                        max(0.0, policy.deadline - elapsed))
+            log.warning("%s of %s: %s; reading it again in %.2f s (read %d)", path, storage.url, e.reason, pause,
+                        attempt + 1)
+            time.sleep(pause)
 
 
 class _RangeFile:
@@ -286,8 +339,10 @@ class BlobStore:
         """Fill ``out`` (exactly the blob's raw length) with the blob's bytes and verify their digest.
 
         Raises ``CorruptCheckpointError`` (naming step, key and blob) when the blob is missing, has the wrong
-        length, cannot be decompressed, or its digest does not match. Only a blob whose own bytes fail their
-        hash when read again is moved to ``quarantine/`` (so the next save writes a good copy instead of
+        length, cannot be decompressed, or its digest does not match; from an object store, bad bytes are read
+        again first (:func:`read_verified`), and :class:`~ckptstore.errors.TransferError` is raised when they
+        come back different each time until the retry deadline. Only a blob whose own bytes fail their hash
+        when read again is moved to ``quarantine/`` (so the next save writes a good copy instead of
         deduplicating against it): a manifest that claims a wrong length or codec for an intact blob is the
         manifest's fault, and the blob stays for the steps that use it rightly. ``quarantine=False``: never.
         ``size``: the stored size if the caller has just looked it up (see :meth:`stat`).
@@ -297,17 +352,27 @@ class BlobStore:
             codec, size = self.stat(blob_id, codec)
         self.check_claim(blob_id, codec, size, nbytes, step=step, key=key, quarantine=quarantine)
         path = blob_path(blob_id, codec)
-        with self._read_errors(blob_id, codec, nbytes, quarantine, step, key):
-            if codec == "raw":
-                got = self.storage.read_into(path, out)
-            else:
-                got = decompress_into(self.storage.read_bytes(path), out)
-        if got != nbytes:
-            raise self._damaged(f"blob has {got} bytes, expected {nbytes}", blob_id, codec, nbytes, quarantine,
-                                step, key)
-        if digest_bytes(out, threads=True) != blob_id:
-            raise self._damaged("blob content does not match its hash", blob_id, codec, nbytes, quarantine,
-                                step, key)
+
+        def once() -> None:
+            with self._read_errors(blob_id, codec, nbytes, quarantine, step, key):
+                if codec == "raw":
+                    got = self.storage.read_into(path, out)
+                else:
+                    payload = self.storage.read_bytes(path)
+                    try:
+                        got = decompress_into(payload, out)
+                    except (ValueError, zstandard.ZstdError) as e:
+                        raise DamagedRead(f"blob unreadable ({e})", got=(len(payload), digest_bytes(payload)),
+                                          step=step, key=key, blob=blob_id) from None
+            if got != nbytes:
+                raise DamagedRead(f"blob has {got} bytes, expected {nbytes}", got=(got, digest_bytes(out[:got])),
+                                  step=step, key=key, blob=blob_id)
+            digest = digest_bytes(out, threads=True)
+            if digest != blob_id:
+                raise DamagedRead("blob content does not match its hash", got=(got, digest), step=step, key=key,
+                                  blob=blob_id)
+        read_verified(self.storage, path, once, damaged=lambda e: self._damaged(
+            e.reason, blob_id, codec, nbytes, quarantine, step, key))
         self.remember(blob_id, codec)
 
     @contextlib.contextmanager

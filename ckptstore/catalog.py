@@ -12,8 +12,8 @@ import threading
 from collections import OrderedDict
 from typing import List, Optional, Tuple
 
-from .blobs import digest_bytes
-from .errors import CorruptCheckpointError
+from .blobs import digest_bytes, read_verified
+from .errors import CorruptCheckpointError, DamagedRead, IncompatibleCheckpointError
 from .state import gc_paused
 from .layout import STEPS, commit_path, manifest_path, parse_step_dir, shards_path, step_dir
 from .manifest import (MAX_COMMIT_BYTES, Commit, Manifest, decode_commit, decode_manifest, encode_commit,
@@ -100,19 +100,30 @@ class Catalog:
         return self.read_commit_bytes(step)[1]
 
     def read_commit_bytes(self, step: int) -> Tuple[bytes, Commit]:
-        """The commit marker's bytes (to copy them verbatim) and its decoded, validated contents."""
+        """The commit marker's bytes (to copy them verbatim) and its decoded, validated contents. Bytes that do
+        not decode are judged by :func:`~ckptstore.blobs.read_verified` (from an object store: read again;
+        :class:`~ckptstore.errors.TransferError` when they differ each time until the retry deadline)."""
         path = commit_path(step)
-        try:
-            data = self.storage.read_bytes(path, limit=MAX_COMMIT_BYTES + 1)    # one request, bounded
-        except FileNotFoundError:
-            raise CorruptCheckpointError("commit marker missing", step=step, blob=path) from None
-        except OSError as e:                      # e.g. not a regular file, EIO
-            raise CorruptCheckpointError(f"commit marker unreadable ({e.strerror or e})", step=step,
-                                         blob=path) from None
-        if len(data) > MAX_COMMIT_BYTES:
-            raise CorruptCheckpointError(f"commit marker larger than {MAX_COMMIT_BYTES} bytes", step=step,
-                                         blob=path)
-        return data, decode_commit(data, step=step, what=path)
+
+        def once() -> Tuple[bytes, Commit]:
+            try:
+                data = self.storage.read_bytes(path, limit=MAX_COMMIT_BYTES + 1)    # one request, bounded
+            except FileNotFoundError:
+                raise CorruptCheckpointError("commit marker missing", step=step, blob=path) from None
+            except OSError as e:                      # e.g. not a regular file, EIO
+                raise CorruptCheckpointError(f"commit marker unreadable ({e.strerror or e})", step=step,
+                                             blob=path) from None
+            got = (len(data), digest_bytes(data))
+            if len(data) > MAX_COMMIT_BYTES:
+                raise DamagedRead(f"commit marker larger than {MAX_COMMIT_BYTES} bytes", got=got, step=step,
+                                  blob=path)
+            try:
+                return data, decode_commit(data, step=step, what=path)
+            except IncompatibleCheckpointError as e:  # a newer format, or a flipped byte in the format field
+                raise DamagedRead(str(e), got=got, step=step, blob=path, final=e) from None
+            except CorruptCheckpointError as e:
+                raise DamagedRead(e.reason, got=got, step=step, blob=path) from None
+        return read_verified(self.storage, path, once)
 
     def read_manifest(self, commit: Commit, rank: int) -> Manifest:
         """Read one rank's manifest and check it against the digest its commit marker recorded."""
@@ -126,17 +137,8 @@ class Catalog:
                                          blob=manifest_path(commit.step, rank))
         want_digest, want_size, gen = commit.manifests[rank]
         path = manifest_path(commit.step, rank, gen)
-        try:
-            # one request, bounded: never read more than the commit recorded (+1 byte to see "too long")
-            data = self.storage.read_bytes(path, limit=want_size + 1)
-        except FileNotFoundError:
-            raise CorruptCheckpointError("manifest missing", step=commit.step, blob=path) from None
-        except OSError as e:
-            raise CorruptCheckpointError(f"manifest unreadable ({e.strerror or e})", step=commit.step,
-                                         blob=path) from None
-        if len(data) != want_size or digest_bytes(data) != want_digest.hex():
-            raise CorruptCheckpointError(f"manifest does not match its commit marker ({len(data)} bytes, "
-                                         f"expected {want_size})", step=commit.step, blob=path)
+        # one request, bounded: never read more than the commit recorded (+1 byte to see "too long")
+        data = self._read_named(path, "manifest", want_digest, want_size, want_size + 1, commit.step)
         key = (want_digest, want_size, commit.step, rank)
         cached = self.decoded.get(key) if self.decoded is not None else None
         if cached is not None:
@@ -151,18 +153,27 @@ class Catalog:
         """The shard map the commit marker names (``commit.shards`` must be set), checked against its digest
         and size: one bounded read. Raises ``CorruptCheckpointError``."""
         want_digest, want_size, gen = commit.shards
-        path = shards_path(commit.step, gen)
-        try:
-            data = self.storage.read_bytes(path, limit=min(want_size, MAX_SHARD_MAP_BYTES) + 1)
-        except FileNotFoundError:
-            raise CorruptCheckpointError("shard map missing", step=commit.step, blob=path) from None
-        except OSError as e:
-            raise CorruptCheckpointError(f"shard map unreadable ({e.strerror or e})", step=commit.step,
-                                         blob=path) from None
-        if len(data) != want_size or digest_bytes(data) != want_digest.hex():
-            raise CorruptCheckpointError(f"shard map does not match its commit marker ({len(data)} bytes, "
-                                         f"expected {want_size})", step=commit.step, blob=path)
-        return data
+        return self._read_named(shards_path(commit.step, gen), "shard map", want_digest, want_size,
+                                min(want_size, MAX_SHARD_MAP_BYTES) + 1, commit.step)
+
+    def _read_named(self, path: str, what: str, want_digest: bytes, want_size: int, limit: int,
+                    step: int) -> bytes:
+        """The bytes of a file its commit marker names by digest and size (at most ``limit`` read), judged by
+        :func:`~ckptstore.blobs.read_verified`. Raises ``CorruptCheckpointError`` /
+        :class:`~ckptstore.errors.TransferError`."""
+        def once() -> bytes:
+            try:
+                data = self.storage.read_bytes(path, limit=limit)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"{what} missing", step=step, blob=path) from None
+            except OSError as e:
+                raise CorruptCheckpointError(f"{what} unreadable ({e.strerror or e})", step=step, blob=path) from None
+            digest = digest_bytes(data)
+            if len(data) != want_size or digest != want_digest.hex():
+                raise DamagedRead(f"{what} does not match its commit marker ({len(data)} bytes, expected "
+                                  f"{want_size})", got=(len(data), digest), step=step, blob=path)
+            return data
+        return read_verified(self.storage, path, once)
 
     def read_shard_map(self, commit: Commit) -> ShardMap:
         """The decoded shard map of ``commit`` (see :mod:`ckptstore.shardmap`). Raises

@@ -16,7 +16,7 @@ from . import hub
 from . import retention as _retention
 from .blobs import BlobStore
 from .catalog import Catalog
-from .errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError, TransferError
 from .fanout import PeerReadError, ReadOnce
 from .layout import check_step, manifest_path
 from .manifest import Commit
@@ -93,6 +93,8 @@ class Loader:
             try:
                 if name in self._catalog(tier).read_commit(s).names:
                     return s
+            except TransferError:
+                raise                 # unread, not damaged: an older step of that name would be the wrong one
             except CheckpointError:
                 continue
         return None
@@ -131,6 +133,8 @@ class Loader:
                         manifest_path(s, rank, commit.manifests[rank][2])):
                     raise CorruptCheckpointError(f"manifest of rank {rank} missing", step=s)
                 return True
+            except TransferError:
+                raise                 # unread, not damaged: never an older step instead (README "Resume order")
             except CheckpointError as e:
                 log.warning("step %d (%s) is not usable: %s", s, tier, e)
                 return False
@@ -152,10 +156,18 @@ class Loader:
             return None
         if p.coord is None:
             found = decide()
-        else:
+        else:                         # rank 0 decides; a TransferError there is raised on every rank
             tag = p.coord.next_tag("resolve")
-            found = p.coord.broadcast(f"{tag}/found", {"found": decide() if p.rank == 0 else None},
-                                      p.collective_timeout)["found"]
+            answer, error = None, None
+            if p.rank == 0:
+                try:
+                    answer = {"found": decide()}
+                except TransferError as e:
+                    error, answer = e, {"transfer": e.reason, "step": e.step, "blob": e.blob}
+            answer = p.coord.broadcast(f"{tag}/found", answer, p.collective_timeout)
+            if "transfer" in answer:
+                raise error or TransferError(answer["transfer"], step=answer["step"], blob=answer["blob"])
+            found = answer["found"]
         return None if found is None else (found[0], str(found[1]))
 
     # -- load: a step as a nested dict --------------------------------------------------------------------------

@@ -21,7 +21,6 @@ turns groups into packs, and :func:`read_chunks` turns chunk references into ver
 """
 from __future__ import annotations
 
-import logging
 import mmap
 import threading
 from collections import defaultdict
@@ -31,13 +30,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import zstandard
 
-from .blobs import compress, decompress_into, digest_bytes, zstd_claim_possible, _MIN_ZSTD_GAIN
-from .errors import CorruptCheckpointError
+from .blobs import compress, decompress_into, digest_bytes, read_verified, zstd_claim_possible, _MIN_ZSTD_GAIN
+from .errors import CorruptCheckpointError, DamagedRead
 from .layout import pack_path
 from .manifest import ChunkRef
 
 PAGE = 4096
-log = logging.getLogger("ckptstore")
 MAX_SPAN = 16 << 20      # a coalesced ranged read is at most this long (or one chunk)
 
 
@@ -208,31 +206,34 @@ def coalesce(items: Sequence[ReadItem], *, gap: int, max_span: int) -> List[Tupl
     return spans
 
 
-class _BytesDamaged(CorruptCheckpointError):
-    """A chunk's stored bytes were read but are wrong (hash, size or codec): at rest, or in transfer."""
-
-
-def _corrupt(msg: str, it: ReadItem, cls=CorruptCheckpointError) -> CorruptCheckpointError:
-    return cls(f"{msg} (pack {it.ref.pack}, bytes [{it.ref.offset}, "
-                                  f"{it.ref.offset + it.ref.stored}))", step=it.step, key=it.key, blob=it.ref.blob_id)
+def _corrupt(msg: str, it: ReadItem, got=None) -> CorruptCheckpointError:
+    """The error for chunk ``it``: bytes that were read but are wrong (``got``: what came back, see
+    :class:`~ckptstore.errors.DamagedRead`), else a plain ``CorruptCheckpointError`` (a missing pack)."""
+    where = f"{msg} (pack {it.ref.pack}, bytes [{it.ref.offset}, {it.ref.offset + it.ref.stored}))"
+    if got is None:
+        return CorruptCheckpointError(where, step=it.step, key=it.key, blob=it.ref.blob_id)
+    return DamagedRead(where, got=got, step=it.step, key=it.key, blob=it.ref.blob_id)
 
 
 def _finish(it: ReadItem, stored: memoryview) -> None:
-    """Decode one chunk's stored bytes into ``it.out`` (unless read there already) and verify its id."""
+    """Decode one chunk's stored bytes into ``it.out`` (unless read there already) and verify its id; bytes
+    that fail raise :class:`~ckptstore.errors.DamagedRead`."""
     ref = it.ref
     if ref.codec == "zstd":
+        got = (ref.blob_id, len(stored), digest_bytes(stored))
         if not zstd_claim_possible(ref.stored, ref.nbytes):
-            raise _corrupt(f"{ref.stored} bytes of zstd cannot hold {ref.nbytes} bytes", it, _BytesDamaged)
+            raise _corrupt(f"{ref.stored} bytes of zstd cannot hold {ref.nbytes} bytes", it)    # the claim's fault
         try:
-            got = decompress_into(stored, it.out)           # bounded by the declared size, streaming
+            n = decompress_into(stored, it.out)             # bounded by the declared size, streaming
         except (zstandard.ZstdError, ValueError) as e:
-            raise _corrupt(f"chunk unreadable ({e})", it, _BytesDamaged) from None
-        if got != ref.nbytes:
-            raise _corrupt(f"chunk decodes to {got} bytes, expected {ref.nbytes}", it, _BytesDamaged)
+            raise _corrupt(f"chunk unreadable ({e})", it, got) from None
+        if n != ref.nbytes:
+            raise _corrupt(f"chunk decodes to {n} bytes, expected {ref.nbytes}", it, got)
     elif stored is not None:
         it.out[:] = stored
-    if digest_bytes(it.out, threads=True) != ref.blob_id:
-        raise _corrupt("chunk content does not match its hash", it, _BytesDamaged)
+    digest = digest_bytes(it.out, threads=True)
+    if digest != ref.blob_id:
+        raise _corrupt("chunk content does not match its hash", it, (ref.blob_id, len(it.out), digest))
 
 
 def _span_read(read, first: ReadItem) -> int:
@@ -280,7 +281,7 @@ def _read_span(storage, pack: str, offset: int, length: int, items: List[ReadIte
     got = _span_read(lambda: storage.read_range_scatter(path, offset, bufs), items[0])
     for it, st in zip(reads, staged):
         if it.ref.offset - offset + it.ref.stored > got:
-            raise _corrupt(f"pack ends at byte {offset + got}, before the chunk's end", it)
+            raise _corrupt(f"pack ends at byte {offset + got}, before the chunk's end", it, ("short", offset + got))
         _finish(it, st)
     for it, src in dups:                               # same reference: the bytes were verified in src.out
         it.out[:] = src.out
@@ -292,7 +293,7 @@ def _read_span_staged(storage, path: str, offset: int, length: int, items: List[
     for it in items:
         lo = it.ref.offset - offset
         if lo + it.ref.stored > got:
-            raise _corrupt(f"pack ends at byte {offset + got}, before the chunk's end", it)
+            raise _corrupt(f"pack ends at byte {offset + got}, before the chunk's end", it, ("short", offset + got))
         _finish(it, buf[lo: lo + it.ref.stored])
 
 
@@ -314,20 +315,9 @@ def read_chunks(storage, items: Sequence[ReadItem], *, executor: Executor, gap: 
     return futures
 
 
-REMOTE_READS = 3       # reads of a remote span whose chunks fail their hash before the chunk counts as damaged
-
-
 def _read_span_checked(storage, pack: str, offset: int, length: int, items: List[ReadItem]) -> None:
-    """:func:`_read_span`, read again (up to ``REMOTE_READS`` times in all) when the storage is remote and a
-    chunk's bytes are wrong (hash, size, codec): they may have been damaged in transfer, not at rest (issue 17:
-    one damaged GET body sent resume to an older step). A local read, a pack missing or short, is final at once;
-    the last failure is raised as the :class:`CorruptCheckpointError` it is."""
-    tries = 1 if storage.local_path(pack_path(pack)) is not None else REMOTE_READS
-    for attempt in range(1, tries + 1):
-        try:
-            return _read_span(storage, pack, offset, length, items)
-        except _BytesDamaged as e:
-            if attempt == tries:
-                raise
-            log.warning("pack %s of %s: %s; reading the span again (%d of %d)", pack, storage.url, e,
-                        attempt + 1, tries)
+    """:func:`_read_span` under :func:`~ckptstore.blobs.read_verified`: from an object store, a span whose
+    chunks come back wrong (hash, codec) or cut short is read again, since the bytes may have been damaged in
+    transfer, not at rest (issue 17: one damaged GET body sent resume to an older step; issue 26: three sent it
+    to a fresh start); a local read, or a missing pack, is final at once."""
+    read_verified(storage, pack_path(pack), lambda: _read_span(storage, pack, offset, length, items))

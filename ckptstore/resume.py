@@ -19,7 +19,7 @@ import logging
 from typing import Any, Callable, Dict, Iterable, List, MutableMapping, Optional, Tuple
 
 from .collective import Coordinator
-from .errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError, TransferError
 from .state import gc_paused, is_stateful
 
 log = logging.getLogger("ckptstore")
@@ -36,8 +36,11 @@ def first_valid_step(list_candidates: Callable[[], List[Tier]], attempt: Callabl
     ``list_candidates()`` -> ``[(step, tier), ...]`` newest first; called on rank 0 only under a coordinator
     (the list is broadcast). ``attempt(step, tier)`` loads the step into this rank's state and returns the tier
     it really came from (a damaged local step repaired from the remote is ``"remote"``); it raises
-    ``CheckpointError`` for a step that cannot be used (the next one is tried) and
-    ``IncompatibleCheckpointError`` for one that must not be skipped (raised on every rank at once).
+    ``CheckpointError`` for a step that cannot be used (the next one is tried), and
+    ``IncompatibleCheckpointError`` for one that must not be skipped, nor any older one (raised on every rank at
+    once). A :class:`~ckptstore.errors.TransferError` (the step could not be read from an object store within
+    the retry policy's deadline: it may be intact) is raised on every rank too, naming the step: a fault of
+    the transfer never makes resume fall back to an older step or start fresh (README "Resume order").
     ``substitute=False`` (a step chosen by the caller): a candidate that fails is raised on every rank, not
     skipped. ``more()``: the complete candidate list, asked for (on rank 0, broadcast) only when every
     candidate of the first list failed (the first is then the cheap one: the latest pointer's step)."""
@@ -64,7 +67,7 @@ def first_valid_step(list_candidates: Callable[[], List[Tier]], attempt: Callabl
             fatal = False
             try:
                 tier = attempt(step, tier)
-            except IncompatibleCheckpointError as e:
+            except (IncompatibleCheckpointError, TransferError) as e:
                 error, fatal = e, True
             except CheckpointError as e:
                 error = e
@@ -72,6 +75,11 @@ def first_valid_step(list_candidates: Callable[[], List[Tier]], attempt: Callabl
                 error, fatal = e, True    # wait for this one until the timeout), then is raised on every rank
             if coord is not None:
                 error, fatal = agree_outcome(coord, f"{tag}/{i}", step, error, fatal, timeout)
+            if isinstance(error, TransferError) and substitute:
+                raise TransferError(f"cannot read step {step} ({tier}) within the retry policy's deadline; it may "
+                                    "well be intact, so resume neither falls back to an older step nor starts "
+                                    f"fresh: run it again once the object store answers ({error})", step=step,
+                                    key=error.key, blob=error.blob) from error
             if fatal or (error is not None and not substitute):
                 raise error
             if error is not None:
@@ -84,9 +92,12 @@ def first_valid_step(list_candidates: Callable[[], List[Tier]], attempt: Callabl
 def agree_outcome(coord: Coordinator, tag: str, step: int, error: Optional[BaseException], fatal: bool,
                   timeout: float) -> Tuple[Optional[BaseException], bool]:
     """Every rank's outcome for ``step`` -> rank 0 -> the same answer everywhere: ``(None, False)`` when all
-    loaded it, else this rank's error or one naming the failing ranks (fatal if any rank's was fatal). A rank
+    loaded it, else this rank's error or one naming the failing ranks (fatal if any rank's was fatal: an
+    ``IncompatibleCheckpointError``, or a ``TransferError`` when every fatal one was a transfer error). A rank
     that does not answer within ``timeout`` s counts as fatal: the ranks no longer agree on what they hold."""
-    msg = {"ok": error is None, "fatal": fatal, "error": None if error is None else str(error)[:2000]}
+    transfer = isinstance(error, TransferError)
+    msg = {"ok": error is None, "fatal": fatal, "transfer": transfer,
+           "error": None if error is None else str(error)[:2000]}
     try:
         outcomes = coord.gather(f"{tag}/outcome", msg, timeout)
     except CheckpointError as e:                      # rank 0: some rank never answered
@@ -95,12 +106,16 @@ def agree_outcome(coord: Coordinator, tag: str, step: int, error: Optional[BaseE
     if coord.rank == 0:
         bad = [(r, o) for r, o in enumerate(outcomes) if not o["ok"]]
         verdict = {"ok": not bad, "fatal": any(o["fatal"] for _, o in bad),
+                   "transfer": all(o.get("transfer", False) for _, o in bad if o["fatal"]),
                    "error": "; ".join(f"rank {r}: {o['error']}" for r, o in bad)[:8000]}
     verdict = coord.broadcast(f"{tag}/verdict", verdict, timeout)
     if verdict["ok"]:
         return None, False
     if verdict["fatal"]:
-        return (error if fatal else IncompatibleCheckpointError(verdict["error"], step=step)), True
+        if fatal:
+            return error, True
+        cls = TransferError if verdict["transfer"] else IncompatibleCheckpointError
+        return cls(verdict["error"], step=step), True
     return (error or CorruptCheckpointError(f"another rank could not load it: {verdict['error']}",
                                             step=step)), False
 

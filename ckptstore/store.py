@@ -376,7 +376,8 @@ class Store:
         Raises ``IncompatibleCheckpointError`` when the run config differs (see ``config_may_change``), the
         top-level keys differ (``strict``), rank-local values meet another world size, or the format is newer
         than this library; ``CheckpointError`` when DTensor targets were partly filled from a step found
-        damaged and no valid step remains to load into them.
+        damaged and no valid step remains to load into them; ``TransferError`` (naming the step) when a step
+        cannot be read from the remote within ``Remote.retry``'s deadline (it may be intact: no fallback).
         """
         self.wait()
         if self._tier is not None:

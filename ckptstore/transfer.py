@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 
-from .blobs import BlobStore, digest_bytes, hash_stream
+from .blobs import BlobStore, digest_bytes, hash_stream, read_verified
 from .catalog import Catalog, ManifestCache
-from .errors import CheckpointError, CorruptCheckpointError, UploadError
+from .errors import CheckpointError, CorruptCheckpointError, DamagedRead, UploadError
 from .layout import MAX_GENERATION, blob_path, commit_path, manifest_path, pack_path, shards_path, step_dir
 from . import lease
 from .lease import WriterOp, read_epoch
@@ -89,9 +89,6 @@ def _file_digest(path: str) -> Tuple[str, int]:
     with open(path, "rb", buffering=0) as f:
         h, n = hash_stream(f.read, piece=_HASH_PIECE)
     return h.hexdigest(), n
-
-
-REMOTE_READS = 3       # reads of a remote object whose bytes fail their hash before it counts as damaged
 
 
 class StepCopier:
@@ -264,23 +261,21 @@ class StepCopier:
         return sent
 
     def _read_checked(self, step: int, path: str, what: str, name: str, read, intact) -> bytes:
-        """``read()`` (under the retry policy) until ``intact(bytes)``: once from a local source, up to
-        ``REMOTE_READS`` times from a remote one, where bytes that fail their hash may have been damaged in
-        transfer rather than at rest (issue 17: one corrupted GET body sent resume to an older step, or to a
-        fresh start). Raises ``CorruptCheckpointError`` naming ``name`` when missing or never intact."""
-        tries = 1 if self.src.local_path(path) is not None else REMOTE_READS
-        for attempt in range(1, tries + 1):
+        """``read()`` (under the retry policy), its bytes checked by ``intact(bytes)`` and judged by
+        :func:`~ckptstore.blobs.read_verified`: bad bytes from a remote source are read again until good, the
+        same twice in a row (damage: ``CorruptCheckpointError``) or the deadline is spent
+        (:class:`~ckptstore.errors.TransferError`); from a local source they are damage at once. Raises
+        ``CorruptCheckpointError`` naming ``name`` when missing or damaged."""
+        def once() -> bytes:
             try:
                 payload = self.call(read, f"read {what} {name}")
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"{what} missing", step=step, blob=name) from None
-            if intact(payload):
-                return payload
-            if attempt < tries:
-                log.warning("%s %s of %s does not match its hash: reading it again (%d of %d)", what, name,
-                            self.src.url, attempt + 1, tries)
-        raise CorruptCheckpointError(f"{what} content does not match its hash" +
-                                     (f" ({tries} reads)" if tries > 1 else ""), step=step, blob=name)
+            if not intact(payload):
+                raise DamagedRead(f"{what} content does not match its hash",
+                                  got=(len(payload), digest_bytes(payload, threads=True)), step=step, blob=name)
+            return payload
+        return read_verified(self.src, path, once)
 
     def _copy_blob(self, step: int, blob_id: str, codec: str, nbytes: int,
                    stats: Optional[TransferStats] = None) -> int:

@@ -9,6 +9,12 @@ fate drawn from a seeded generator:
   starts to come back (the client never sees it and retries a write that already landed);
 * ``stall``: the request is held for ``stall_seconds`` with no answer, then the connection is closed;
 * ``corrupt_bodies = N`` (independent of ``faults``): the next N answers with a body have one byte flipped;
+* ``damage(n, match, kind)`` (independent of ``faults``, connections opened after it): the next ``n`` answers
+  (``None``: every one) to GETs whose request line matches the regex ``match`` come back damaged in transfer:
+  ``kind="flip"`` flips one byte at a seeded random position, ``"truncate"`` cuts the body at a seeded random
+  length and rewrites ``Content-Length`` to it (the client sees a well-formed, shorter answer), ``"mixed"`` draws
+  one of the two per answer. Two damaged answers in a row to the same request line never carry the same bad
+  bytes (a fault of the network, not of the object);
 * ``ok``: forwarded; while faults are on, closed after a short random lifetime (maybe mid-request), so
   keep-alive clients keep meeting new fates.
 Only 127.0.0.1 is ever listened on or connected to. ``counts`` tells how many connections met each fate.
@@ -36,6 +42,11 @@ class FaultProxy:
         self.faults = False
         self.corrupt_bodies = 0                 # answers whose body gets one byte flipped (see _pipe_down)
         self.corrupt_match = b""
+        self.damage_left: Optional[int] = 0     # damage(): answers still to damage (None: every matching one)
+        self.damage_match: Optional[re.Pattern] = None
+        self.damage_kind = "flip"
+        self._damage_rng = random.Random(seed + 1)
+        self._damage_last: dict = {}            # request line -> the last damage done to its answer
         self.counts: Counter = Counter()
         self.port: Optional[int] = None
         self._loop = asyncio.new_event_loop()
@@ -50,6 +61,29 @@ class FaultProxy:
     def __exit__(self, *exc) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+
+    def damage(self, n: Optional[int], match: bytes, kind: str = "mixed") -> None:
+        """Damage the next ``n`` (``None``: every) answers to GETs whose request line matches ``match`` (a
+        bytes regex); see the module docstring. Applies to connections opened from now on."""
+        if kind not in ("flip", "truncate", "mixed"):
+            raise ValueError(kind)
+        self.damage_left, self.damage_match, self.damage_kind = n, re.compile(match), kind
+
+    def _take_damage(self, request_line: bytes, length: int):
+        """``None`` (leave the answer alone), ``("flip", position)`` or ``("truncate", new length)``."""
+        if (self.damage_match is None or self.damage_left == 0 or length < 2 or not request_line.startswith(b"GET ")
+                or not self.damage_match.search(request_line)):
+            return None
+        kind = self.damage_kind if self.damage_kind != "mixed" else self._damage_rng.choice(("flip", "truncate"))
+        while True:
+            fate = (kind, self._damage_rng.randrange(length))
+            if fate != self._damage_last.get(request_line):
+                break
+        self._damage_last[request_line] = fate
+        if self.damage_left is not None:
+            self.damage_left -= 1
+        self.counts["damaged"] += 1
+        return fate
 
     @property
     def endpoint(self) -> str:
@@ -90,6 +124,53 @@ class FaultProxy:
             w.write(data)
             await w.drain()
 
+    async def _pipe_damaging(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, seen) -> None:
+        """Server -> client, answer by answer (each matched to its request in ``seen``), damaging the answers
+        :meth:`_take_damage` picks. An answer whose body length it cannot tell (chunked) ends the tracking: the
+        rest of the connection passes as it is."""
+        answered = 0
+        while True:
+            try:
+                head = await r.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError as e:
+                if e.partial:
+                    w.write(e.partial)
+                    await w.drain()
+                return
+            status = head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b""
+            interim = status.startswith(b"1")            # 100 Continue: the final answer follows
+            request = seen[answered] if answered < len(seen) else b""
+            if not interim:
+                answered += 1
+            length = re.search(rb"(?i)\r\ncontent-length:\s*(\d+)", head)
+            if interim or request.startswith(b"HEAD ") or status in (b"204", b"304"):
+                body_len = 0
+            elif length is None or re.search(rb"(?i)\r\ntransfer-encoding:", head):
+                w.write(head)
+                await _pipe(r, w)
+                return
+            else:
+                body_len = int(length.group(1))
+            try:
+                body = bytearray(await r.readexactly(body_len))
+            except asyncio.IncompleteReadError as e:     # the server closed mid-body: pass on what came
+                w.write(head + e.partial)
+                await w.drain()
+                return
+            fate = self._take_damage(request, body_len) if status in (b"200", b"206") else None
+            if fate is not None and fate[0] == "flip":
+                body[fate[1]] ^= 0xFF
+            elif fate is not None:                       # a shorter answer, well formed; the connection ends
+                head = re.sub(rb"(?i)\r\ncontent-length:\s*\d+", b"\r\nContent-Length: %d" % fate[1], head)
+                head = re.sub(rb"(?i)\r\nconnection:[^\r]*", b"", head)
+                head = head[:-4] + b"\r\nConnection: close\r\n\r\n"
+                w.write(head + bytes(body[:fate[1]]))
+                await w.drain()
+                w.close()
+                return
+            w.write(head + bytes(body))
+            await w.drain()
+
     async def _handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
         fate = self.rng.choices(self.FATES, self.weights)[0] if self.faults else "ok"
         self.counts[fate] += 1
@@ -122,7 +203,8 @@ class FaultProxy:
                 up.cancel()
                 uw.close()
                 return _reset(cw)
-            down = asyncio.ensure_future(self._pipe_down(ur, cw, seen))
+            pipe = self._pipe_damaging if self.damage_match is not None else self._pipe_down
+            down = asyncio.ensure_future(pipe(ur, cw, seen))
             # under faults a healthy connection still ends soon (possibly mid-request: one more lost answer);
             # without faults it lives until either side closes it
             await asyncio.wait([up, down], timeout=lifetime if self.faults else None,

@@ -7,8 +7,10 @@ Only reads are wrapped (``READS``); everything else passes through unchanged. At
 ``op_timeout``: a read into a caller's buffer (``read_into``, ``read_range_*``) left running after a retry could
 write into memory the caller has moved on with, so only errors are retried (the client's own timeouts turn a
 stalled request into one). Past the policy's deadline the last error is raised as
-:class:`~ckptstore.errors.UploadError` (a :class:`~ckptstore.errors.CheckpointError`: the step is not used).
-A missing object or damage is raised at once (see :func:`ckptstore.retry.is_transient`).
+:class:`~ckptstore.errors.UploadError` (a :class:`~ckptstore.errors.TransferError`: resume raises it, and
+neither skips the step nor starts fresh). A missing object or damage is raised at once (see
+:func:`ckptstore.retry.is_transient`); bytes that arrive but fail their check are judged above, by
+:func:`ckptstore.blobs.read_verified`.
 """
 from __future__ import annotations
 
