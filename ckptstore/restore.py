@@ -176,10 +176,8 @@ class StepLoader:
                         f"rank {own.rank}'s manifest reads the replicated keys {own.replicated} from rank 0, "
                         f"whose manifest names {r0.replicated}", step=self.commit.step)
                 rep = set(own.replicated)
-                own = Manifest(step=own.step, rank=own.rank, world_size=own.world_size,
-                               stateful=own.stateful + [k for k in r0.stateful if k in rep],
-                               nodes=own.nodes + [n for n in r0.nodes if n.path and n.path[0] in rep],
-                               replicated=own.replicated)
+                own = own.replace(stateful=own.stateful + [k for k in r0.stateful if k in rep],
+                                  nodes=own.nodes + [n for n in r0.nodes if n.path and n.path[0] in rep])
             self._base = own
         return self._base
 
@@ -307,7 +305,7 @@ class StepLoader:
                 keep.append(n.__class__(n.path, "value", None))
             else:
                 keep.append(n)
-        plain = Manifest(step=step, rank=base.rank, world_size=base.world_size, stateful=base.stateful, nodes=keep)
+        plain = base.replace(nodes=keep)
         extra = {"share": self.share} if self.share is not None else {}
         nodes = self._read_nodes(self.blobs, plain, map_location=map_location, **extra)  # verified, none applied
         if sharded:

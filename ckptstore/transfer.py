@@ -13,7 +13,6 @@ Used by the uploader (local -> remote) and by pull / resume (remote -> local).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -536,7 +535,7 @@ class StepCopier:
                 if self.dst_catalog.decoded is not None:     # the restore that follows need not decode it
                     self.dst_catalog.decoded.put((entries[rank][0], len(data), step, rank), len(data), local)
             writes.append((manifest_path(step, rank, entries[rank][2]), data))
-        return writes, encode_commit(dataclasses.replace(commit, manifests=entries))
+        return writes, encode_commit(commit.replace(manifests=entries))
 
     def _await_other_parts(self, step: int, commit: Commit, copied, timeout: Optional[float],
                            fresh: bool = False) -> None:
