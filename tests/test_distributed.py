@@ -453,3 +453,21 @@ def test_ddp_store_repacked_by_gc_resumes_on_2_ranks(tmp_path):
         assert (res[r]["digest"], res[r]["rng"]) == (saved[r]["digest"], saved[r]["rng"]), r
     assert_same_state(full(tmp_path / "g.pt")["state"], full(tmp_path / "w.pt")["state"])
 
+
+def test_a_damaged_shard_map_on_the_remote_does_not_lose_the_step_when_parts_are_pulled(tmp_path):
+    """Issue 26 item 8: the root is lost and each rank pulls its part of step 2 from the remote, whose shard map
+    is damaged. The map is a hint: the step is pulled without it (logged) and both ranks resume it bit for bit;
+    the pull once failed on the map and the job fell back to step 1."""
+    root, remote = tmp_path / "root", tmp_path / "remote"
+    run(2, "--mode", "train", "--store", str(root), "--remote", f"file://{remote}", "--steps", "2",
+        "--full", str(tmp_path / "w.pt"))
+    (path,) = [p for p in step_dir(remote, 2).iterdir() if p.name.startswith("shards")]
+    path.write_bytes(b"\x00" * 8)
+    shutil.rmtree(root)
+    job = Job(2, "--mode", "load", "--store", str(root), "--remote", f"file://{remote}",
+              "--full", str(tmp_path / "g.pt"))
+    res = job.wait()
+    assert [(res[r].get("result"), res[r].get("step"), res[r].get("tier")) for r in (0, 1)] == \
+        [("loaded", 2, "remote")] * 2, res
+    assert "shard map unusable" in job.outputs[0] + job.outputs[1]
+    assert_same_state(full(tmp_path / "g.pt")["state"], full(tmp_path / "w.pt")["state"])
