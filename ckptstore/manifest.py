@@ -33,6 +33,7 @@ Commit body (one per step, written last)::
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -120,6 +121,13 @@ class Manifest:
     #: readers take them from rank 0's manifest
     replicated: List[str] = field(default_factory=list)
 
+    def replace(self, **changes) -> "Manifest":
+        """A copy with ``changes`` (field name -> value) and every other field as in ``self``: the one way a
+        manifest is derived from another (repack, a ranged pull, a restore's merged view), so that a field the
+        format gains is never dropped by a copy naming fields one by one (issue 26: ``replicated`` was, and
+        rank 1 of a DDP job could no longer find rank 0's keys). Raises ``TypeError`` for an unknown field."""
+        return dataclasses.replace(self, **changes)
+
     def arrays(self):
         """(node, ArrayEntry) for every tensor / array node, in order."""
         return [(n, n.payload) for n in self.nodes if n.kind in ARRAY_KINDS]
@@ -155,6 +163,11 @@ class Commit:
     best: Optional[Dict[str, str]] = None         # {"metric": str, "mode": "min"|"max"}: the best criterion
     shards: Optional[Tuple[bytes, int, int]] = None   # the shard map's (blake3 digest, size, generation)
     names: Tuple[str, ...] = ()                   # the step's names (e.g. a trainer's checkpoint paths), sorted
+
+    def replace(self, **changes) -> "Commit":
+        """A copy with ``changes`` (field name -> value) and every other field as in ``self``: the one way a
+        commit marker is derived from another (repack, a ranged pull), as :meth:`Manifest.replace`."""
+        return dataclasses.replace(self, **changes)
 
 
 # -- framing ------------------------------------------------------------------------------------------------

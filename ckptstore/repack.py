@@ -126,7 +126,7 @@ def copy_chunks(src, dst, refs, *, executor, buffers: PackBuffers, target_size: 
 
 def repoint(m: Manifest, old: Set[str], new: Dict[str, ChunkRef]) -> Manifest:
     """``m`` with every chunk that lives in a pack of ``old`` pointing at its new reference in ``new`` (by
-    chunk id); everything else unchanged."""
+    chunk id); every other field unchanged (:meth:`Manifest.replace`)."""
     nodes = []
     for n in m.nodes:
         if n.kind in ARRAY_KINDS:
@@ -134,7 +134,7 @@ def repoint(m: Manifest, old: Set[str], new: Dict[str, ChunkRef]) -> Manifest:
             chunks = [new[c.blob_id] if c.pack in old else c for c in e.chunks]
             n = ManifestNode(n.path, n.kind, dataclasses.replace(e, chunks=chunks))
         nodes.append(n)
-    return Manifest(step=m.step, rank=m.rank, world_size=m.world_size, stateful=m.stateful, nodes=nodes)
+    return m.replace(nodes=nodes)
 
 
 def _repack_batch(storage, catalog, batch: List[str], ranges, steps_of, report, buffers, pool,
@@ -176,4 +176,4 @@ def _rewrite_step(catalog, step: int, old: Set[str], new: Dict[str, ChunkRef]) -
         entries[rank] = catalog.write_manifest(repoint(m, old, new), commit.manifests[rank][2] + 1)
         changed = True
     if changed:
-        catalog.write_commit(dataclasses.replace(commit, manifests=entries))
+        catalog.write_commit(commit.replace(manifests=entries))

@@ -151,13 +151,18 @@ class StepLoader:
 
     def shard_map(self):
         """The step's :class:`~ckptstore.shardmap.ShardMap` (read on first use: a changed world size or mesh)
-        when the commit names one; ``None`` otherwise, or when it cannot be read (logged: every manifest is
-        read instead)."""
+        when the commit names one; ``None`` otherwise, or when it is missing, damaged, or does not describe
+        :attr:`base` (the manifest read first: the truth) as it is (logged: every manifest is read instead, and
+        checked against the others, see :meth:`_check_sharded_keys`). The map is a hint (FORMAT.md "Shard
+        map"): no damage to it fails a step whose manifests are whole."""
         if self._map is False:
             self._map = None
             if self.commit.shards is not None:
+                base = self.base                  # raises for a damaged manifest: that is no map's doing
                 try:
-                    self._map = self.catalog.read_shard_map(self.commit)
+                    smap = self.catalog.read_shard_map(self.commit)
+                    smap.check_manifest(base, self.commit.step)
+                    self._map = smap
                 except CorruptCheckpointError as e:
                     log.warning("step %d: shard map unusable, reading every rank's manifest instead: %s",
                                 self.commit.step, e)
@@ -176,10 +181,8 @@ class StepLoader:
                         f"rank {own.rank}'s manifest reads the replicated keys {own.replicated} from rank 0, "
                         f"whose manifest names {r0.replicated}", step=self.commit.step)
                 rep = set(own.replicated)
-                own = Manifest(step=own.step, rank=own.rank, world_size=own.world_size,
-                               stateful=own.stateful + [k for k in r0.stateful if k in rep],
-                               nodes=own.nodes + [n for n in r0.nodes if n.path and n.path[0] in rep],
-                               replicated=own.replicated)
+                own = own.replace(stateful=own.stateful + [k for k in r0.stateful if k in rep],
+                                  nodes=own.nodes + [n for n in r0.nodes if n.path and n.path[0] in rep])
             self._base = own
         return self._base
 
@@ -307,7 +310,7 @@ class StepLoader:
                 keep.append(n.__class__(n.path, "value", None))
             else:
                 keep.append(n)
-        plain = Manifest(step=step, rank=base.rank, world_size=base.world_size, stateful=base.stateful, nodes=keep)
+        plain = base.replace(nodes=keep)
         extra = {"share": self.share} if self.share is not None else {}
         nodes = self._read_nodes(self.blobs, plain, map_location=map_location, **extra)  # verified, none applied
         if sharded:
@@ -319,12 +322,30 @@ class StepLoader:
             self._futures += read_chunks(self.blobs.storage, self._packed, executor=self.executor,
                                          gap=self.blobs.storage.coalesce_gap)
             wait_all(self._futures)
-        if self._map not in (False, None):   # read for this load: the tree comes from base, is it whole?
-            self._map.check_rank_keys(base.rank, [n.path for n in base.nodes if n.kind == "dtensor"], step)
+        if self.commit.shards is not None and self._map is None:     # consulted, unusable: every manifest read
+            self._check_sharded_keys(base, wanted)      # the tree comes from base: is it whole?
         try:
             return unflatten(nodes)
         except (ValueError, TypeError, KeyError, IndexError) as e:
             raise CorruptCheckpointError(f"invalid key tree ({e})", step=step) from None
+
+    def _check_sharded_keys(self, base: Manifest, wanted: Set[str]) -> None:
+        """The loaded tree is ``base``'s. A step whose marker names a shard map was saved with the same sharded
+        keys on every rank (FORMAT.md "Shard map": rank 0 writes a map only then); when the map, consulted,
+        cannot vouch for ``base`` (unusable), the other manifests (every one is read then) do: a sharded key
+        under ``wanted`` that another rank saved and ``base`` lacks means ``base`` is damaged, and the step must
+        not load as a tree without it (the fuzz of issue 17). Raises ``CorruptCheckpointError`` naming the key
+        and a rank holding it."""
+        have = {n.path for n in base.nodes if n.kind == "dtensor"}
+        for r in range(self.commit.world_size):
+            if r == base.rank:
+                continue
+            for n in self.manifest(r).nodes:
+                if n.kind == "dtensor" and n.path[0] in wanted and n.path not in have:
+                    raise CorruptCheckpointError(
+                        f"rank {r}'s manifest holds shards of {path_str(n.path)!r}, rank {base.rank}'s (whose key "
+                        "tree is loaded) does not", step=self.commit.step,
+                        key=path_str(n.path))
 
     def _fill(self, n, target, reader: SpanReader):
         entry, key = n.payload, path_str(n.path)

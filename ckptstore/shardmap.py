@@ -29,8 +29,10 @@ and writes it as ``steps/<step>/shards[.g<gen>].msgpack`` before the commit mark
 a leader of another root builds the same bytes from its own manifest and the rank-local paths in its message,
 and writes them only when their digest is the one recorded. Keys are named by hash: the map only *selects*
 manifests; the shards come from the manifests, matched by their full key path and checked to cover every
-target element, and a map that selects too few ranks (or cannot be read) makes the reader fall back to every
-manifest, logged. Maps written before issue 19 (one box per rank and key, ``"boxes"``) are still read.
+target element, and a map that selects too few ranks, cannot be read, or does not describe the first manifest
+the reader reads as it is (:meth:`ShardMap.check_manifest`) makes the reader fall back to every manifest,
+logged: the map is a hint, the manifests are the truth (issue 26). Maps written before issue 19 (one box per
+rank and key, ``"boxes"``) are still read, under the same rules.
 """
 from __future__ import annotations
 
@@ -42,9 +44,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import msgpack
 import numpy as np
 
+from .errors import CorruptCheckpointError
 from .manifest import ARRAY_KINDS, CONTAINER_KINDS, Manifest, frame, unframe
 from .sharding import SavedShard, ShardIndex
-from .state import KeyPath
+from .state import KeyPath, path_str
 
 log = logging.getLogger("ckptstore")
 
@@ -337,6 +340,26 @@ class _Rule:
             got = self._members[mi] = set(int(x) for x in self.meshes[mi][1])
         return got
 
+    def mismatch(self, h: bytes, shard, box: Box, rank: int, coords: Dict[int, Any]) -> Optional[str]:
+        """Why the rule for key ``h`` does not give ``rank`` the saved ``shard`` (a manifest's
+        :class:`~ckptstore.sharding.ShardInfo`) at ``box``; ``None`` when it does (or the key's placements are
+        not walked). ``coords``: mesh index -> ``rank``'s coordinate, filled as meshes are met."""
+        mi, g, parsed = self.keys[h]
+        shape, grid = self.meshes[mi]
+        if tuple(g) != tuple(shard.global_shape) or tuple(shape) != tuple(shard.mesh):
+            return (f"global shape {list(g)} on a mesh of {list(shape)}, the manifest says {list(shard.global_shape)} "
+                    f"on {list(shard.mesh)}")
+        if parsed != parse_placements(shard.placements):
+            return f"placements differ from the manifest's {list(shard.placements)}"
+        if parsed is None:
+            return None
+        if mi not in coords:
+            pos = np.flatnonzero(grid == rank)
+            coords[mi] = tuple(int(x) for x in np.unravel_index(int(pos[0]), shape)) if len(pos) == 1 else None
+        if coords[mi] is None or not _same_box(rule_box(g, shape, coords[mi], parsed), box):
+            return f"the rule's box for the rank is not the manifest's (offset {list(box[0])}, shape {list(box[1])})"
+        return None
+
     def ranks(self, h: bytes, global_shape: Tuple[int, ...], box: Box, prefer: int) -> Optional[List[int]]:
         info = self.keys.get(h)
         if info is None or info[2] is None or tuple(info[1]) != tuple(global_shape):
@@ -383,7 +406,6 @@ class ShardMap:
     def decode(data: bytes, *, step: int, world_size: int, what: str) -> "ShardMap":
         """Raises ``CorruptCheckpointError`` (naming ``what``) for damaged or inconsistent bytes."""
         body, _ = unframe(data, "shards", what=what, step=step)
-        from .errors import CorruptCheckpointError
         try:
             if body.get("step") != step or body.get("world_size") != world_size:
                 raise ValueError(f"map is for step {body.get('step')!r}, world size {body.get('world_size')!r}")
@@ -399,6 +421,8 @@ class ShardMap:
             for h, shards in body["boxes"]:
                 if not isinstance(h, bytes) or len(h) != 8 or not isinstance(shards, list):
                     raise ValueError("bad key hash")
+                if not shards:                  # the writer listed a key for the boxes ranks saved of it
+                    raise ValueError(f"key hash {h.hex()} has no boxes")
                 out = []
                 for r, off, shape in shards:
                     if (not isinstance(r, int) or not 0 <= r < world_size or len(off) != len(shape)
@@ -407,23 +431,41 @@ class ShardMap:
                     out.append((r, (tuple(off), tuple(shape))))
                 boxes[h] = out
             return ShardMap(world_size, boxes, rl)
-        except (ValueError, TypeError, KeyError) as e:
-            raise CorruptCheckpointError(f"invalid shard map: {e}", step=step, blob=what) from None
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError) as e:
+            # any schema a map does not have (a list where a map was, a field missing, a short record): invalid
+            kind = "" if isinstance(e, ValueError) else f"{type(e).__name__}: "
+            raise CorruptCheckpointError(f"invalid shard map: {kind}{e}", step=step, blob=what) from None
 
-    def check_rank_keys(self, rank: int, paths: Sequence[KeyPath], step: int) -> None:
-        """Raise ``CorruptCheckpointError`` unless ``paths`` (the sharded keys in ``rank``'s manifest) are exactly
-        the keys the map says ``rank`` saved shards of: a manifest that lost a sharded key (or gained one) must
-        not load as a tree without it (found by the format-2 fuzz, issue 17)."""
-        from .errors import CorruptCheckpointError
-        have = {key_hash(p) for p in paths}
+    def check_manifest(self, m: Manifest, step: int) -> None:
+        """Raise ``CorruptCheckpointError`` unless the map describes ``m`` (one rank's manifest: the truth) as it
+        is: the sharded keys the map says ``m.rank`` saved shards of are exactly ``m``'s, and for each the map
+        gives ``m.rank`` the box ``m`` records (rule form: the same global shape, mesh shape and placements, and
+        the rule's box for the rank's coordinate; box form: a box of that rank). A reader checks the map against
+        the manifest it reads first and uses it only when this passes (FORMAT.md "Shard map": the map is a hint;
+        when it is damaged the reader reads every manifest). Cost: O(``m``'s sharded keys), no I/O."""
+        rank = m.rank
+        nodes = {key_hash(n.path): n for n in m.nodes if n.kind == "dtensor"}
         if self._rule is not None:
             want = {h for h, (mi, _, _) in self._rule.keys.items() if rank in self._rule.members(mi)}
         else:
             want = {h for h, shards in self._boxes.items() if any(r == rank for r, _ in shards)}
+        have = set(nodes)
         if have != want:
             raise CorruptCheckpointError(f"rank {rank}'s manifest holds {len(have)} sharded keys, the step's shard "
                                          f"map says {len(want)} ({len(want - have)} missing, {len(have - want)} "
                                          "unknown)", step=step)
+        coords: Dict[int, Any] = {}
+        for h, n in nodes.items():
+            e = n.payload
+            box = (tuple(e.shard.offset), tuple(e.shape))
+            if self._rule is not None:
+                why = self._rule.mismatch(h, e.shard, box, rank, coords)
+            else:
+                why = None if any(r == rank and _same_box(b, box) for r, b in self._boxes[h]) else \
+                    f"no box of rank {rank} is the manifest's (offset {list(box[0])}, shape {list(box[1])})"
+            if why is not None:
+                raise CorruptCheckpointError(f"the shard map does not describe rank {rank}'s shard of "
+                                             f"{path_str(n.path)!r}: {why}", step=step, key=path_str(n.path))
 
     def ranks(self, path: KeyPath, global_shape: Tuple[int, ...], box: Box, prefer: int) -> Optional[List[int]]:
         """The saved ranks whose shards of ``path`` overlap ``box`` (one rank per replicated box, ``prefer``

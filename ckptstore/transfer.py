@@ -13,7 +13,6 @@ Used by the uploader (local -> remote) and by pull / resume (remote -> local).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -395,9 +394,8 @@ class StepCopier:
             writes, marker_bytes = self._dst_metadata(step, commit_bytes, commit, manifests, ranged, new)
             for path, data in writes:
                 self.call(lambda p=path, d=data: self.dst.write_atomic(p, d), f"write {path}")
-            if commit.shards is not None and marker != "skip":     # after the manifests, before the marker
-                shard_map = self.call(lambda: self.src_catalog.read_shard_map_bytes(commit),
-                                      f"read shard map of step {step}")
+            shard_map = self._shard_map(step, commit) if marker != "skip" else None
+            if shard_map is not None:                              # after the manifests, before the marker
                 path = shards_path(step, commit.shards[2])
                 self.call(lambda: self.dst.write_atomic(path, shard_map), f"write {path}")
             if not self._disturbed:
@@ -531,7 +529,21 @@ class StepCopier:
                 if self.dst_catalog.decoded is not None:     # the restore that follows need not decode it
                     self.dst_catalog.decoded.put((entries[rank][0], len(data), step, rank), len(data), local)
             writes.append((manifest_path(step, rank, entries[rank][2]), data))
-        return writes, encode_commit(dataclasses.replace(commit, manifests=entries))
+        return writes, encode_commit(commit.replace(manifests=entries))
+
+    def _shard_map(self, step: int, commit: Commit) -> Optional[bytes]:
+        """The source's shard map of ``step`` (checked against the marker), to copy with it; ``None`` when the
+        marker names none, or (logged) when it is missing or damaged there. The map is a hint (FORMAT.md "Shard
+        map"): the step is copied without it, and readers of the copy, finding it missing, read every manifest,
+        rather than the step being lost (issue 26)."""
+        if commit.shards is None:
+            return None
+        try:
+            return self.call(lambda: self.src_catalog.read_shard_map_bytes(commit), f"read shard map of step {step}")
+        except CorruptCheckpointError as e:
+            log.warning("step %d: shard map unusable on %s, copied without it (readers read every manifest): %s",
+                        step, self.src.url, e)
+            return None
 
     def _await_other_parts(self, step: int, commit: Commit, copied, timeout: Optional[float],
                            fresh: bool = False) -> None:

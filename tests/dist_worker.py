@@ -56,6 +56,17 @@ class AppState:
         set_state_dict(self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
 
+class TorchRNG:
+    """torch's CPU generator as a Stateful: seeded alike in build(), so every rank saves the same bytes (as HF
+    Trainer's per-rank RNG state does)."""
+
+    def state_dict(self):
+        return {"torch": torch.get_rng_state()}
+
+    def load_state_dict(self, sd):
+        torch.set_rng_state(sd["torch"])
+
+
 class Failing:
     """A Stateful that raises (or stops the process) on the chosen rank."""
 
@@ -117,6 +128,17 @@ def train_step(model, optim, step, rank, world):
     return t.item() / world
 
 
+def digests(model, optim):
+    """sha256 of this rank's own model and optimizer tensors (``digest``) and of torch's CPU generator (``rng``)."""
+    import hashlib
+    digest = hashlib.sha256()
+    for t in pytree.tree_leaves([model.state_dict(), optim.state_dict()["state"]]):   # this rank's own
+        if isinstance(t, torch.Tensor):
+            t = t.to_local() if hasattr(t, "to_local") else t
+            digest.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return {"digest": digest.hexdigest(), "rng": hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()}
+
+
 def full_state(model, optim):
     m, o = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {"model": m, "optim": o}
@@ -143,6 +165,7 @@ def main():
     ap.add_argument("--keep-last", type=int, default=None)
     ap.add_argument("--replicated", default="", help="comma-separated top-level keys saved by rank 0 only")
     ap.add_argument("--replicated-ranks", default="", help="only these ranks pass --replicated (a mistake)")
+    ap.add_argument("--rng", type=int, default=0, help="save torch's CPU generator per rank (equal on every rank)")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -159,6 +182,8 @@ def main():
     state = {"app": app, "step": 0}
     if progress is not None:
         state["progress"] = progress
+    if args.rng:
+        state["rng"] = TorchRNG()
 
     if args.mode in ("fail", "stall"):
         base = store.resume(state) or 0
@@ -190,6 +215,8 @@ def main():
             def _raise(*a, **k):
                 raise RuntimeError(f"injected failure on rank {rank}")
             _restore.StepLoader.load = _raise
+        if args.rng:
+            torch.rand(3)                   # the generator now differs from the saved one until resume sets it
         try:
             step = store.resume(state, rank_local=args.rank_local)
         except CheckpointError as e:
@@ -199,13 +226,7 @@ def main():
         fs = full_state(model, optim)
         if rank == 0 and args.full:
             torch.save({"step": step, "state": fs, "progress": progress}, args.full)
-        import hashlib
-        digest = hashlib.sha256()
-        for t in pytree.tree_leaves([model.state_dict(), optim.state_dict()["state"]]):   # this rank's own
-            if isinstance(t, torch.Tensor):
-                t = t.to_local() if hasattr(t, "to_local") else t
-                digest.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-        print("RESULT " + json.dumps({"rank": rank, "result": "loaded", "step": step, "digest": digest.hexdigest(),
+        print("RESULT " + json.dumps({"rank": rank, "result": "loaded", "step": step, **digests(model, optim),
                                       "tier": (store.resumed_from or {}).get("tier"),
                                       "manifests_read": (store.resumed_from or {}).get("manifests_read"),
                                       "progress": state.get("progress")}), flush=True)
@@ -241,6 +262,7 @@ def main():
         fs = full_state(model, optim)
         if rank == 0:
             torch.save({"step": step, "state": fs, "progress": progress}, args.full)
+        print("RESULT " + json.dumps({"rank": rank, "step": step, **digests(model, optim)}), flush=True)
     close_and_report(store, rank)
     finish()
 

@@ -48,10 +48,11 @@ def check_first_save(job):
     assert smap.ranks(path, g, ((per * 10, 0), (per * 2, g[1])), prefer=0) == [10, 11]  # 256 -> 128 ranks
     assert smap.ranks(path, g, ((per * 10 + 1, 0), (per, g[1])), prefer=0) == [10, 11]
     assert smap.ranks(path, (g[0] + 1, g[1]), ((0, 0), (1, 1)), prefer=0) is None       # another global shape
-    sharded = [n.path for n in llama_manifest("70b", 7, N, job.grid).nodes if n.kind == "dtensor"]
-    smap.check_rank_keys(7, sharded, step=1)                           # every rank holds every sharded key
+    m7 = llama_manifest("70b", 7, N, job.grid)
+    smap.check_manifest(m7, step=1)                    # every rank holds every sharded key, at the rule's box
+    first = next(i for i, n in enumerate(m7.nodes) if n.kind == "dtensor")
     with pytest.raises(Exception, match="sharded keys"):
-        smap.check_rank_keys(7, sharded[1:], step=1)
+        smap.check_manifest(m7.replace(nodes=m7.nodes[:first] + m7.nodes[first + 1:]), step=1)
 
 
 @pytest.fixture
@@ -158,7 +159,16 @@ def test_a_shard_map_written_before_issue_19_is_still_read():
     smap = ShardMap.decode(data, step=5, world_size=4, what="shards")
     assert smap.ranks(path, (12, 4), ((4, 0), (4, 4)), prefer=0) == [1, 2]
     assert smap.rank_local == [("rng",)]
-    smap.check_rank_keys(2, [path], step=5)
+    from ckptstore.manifest import ArrayEntry, Manifest, ManifestNode
+    from ckptstore.sharding import ShardInfo
+
+    def rank2(offset):
+        entry = ArrayEntry("float32", (3, 4), [], shard=ShardInfo((12, 4), offset, (4,), ("S(0)",)))
+        return Manifest(step=5, rank=2, world_size=4, stateful=[], nodes=[
+            ManifestNode((), "dict"), ManifestNode(("model",), "dict"), ManifestNode(path, "dtensor", entry)])
+    smap.check_manifest(rank2((6, 0)), step=5)
+    with pytest.raises(Exception, match="does not describe rank 2's shard of 'model/w'"):
+        smap.check_manifest(rank2((3, 0)), step=5)
     with pytest.raises(Exception, match="invalid shard map"):
         ShardMap.decode(frame("shards", {"step": 5, "world_size": 4, "boxes": [[key_hash(path), [[9, [0, 0], [3, 4]]]]],
                                          "rank_local": None}), step=5, world_size=4, what="shards")

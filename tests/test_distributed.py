@@ -411,3 +411,63 @@ def test_ddp_replicated_keys_are_saved_by_rank_0_only_and_load_on_any_world_size
     rewrite_manifest(tmp_path / "h3", 3, lambda b: b.update(replicated=["nope"]), rank=0)
     with pytest.raises(CorruptCheckpointError, match="not in rank 0's manifest"):
         Store(tmp_path / "h3", read_only=True, rank=0, world_size=1).load(3, rank=1)
+
+
+def _ddp_rng_job(store: Path, *extra: str, world: int = 2, **kw):
+    """2-rank DDP with replicated=["app"] and torch's generator saved per rank (equal bytes on both ranks, as HF
+    Trainer's RNG state: the chunk of rank 1's state is found in rank 0's pack of an older step)."""
+    return run(world, "--ddp", "1", "--rng", "1", "--replicated", "app", "--store", str(store), *extra, **kw)
+
+
+def test_ddp_resumes_from_the_remote_after_the_local_root_is_lost(tmp_path, s3_bucket_url):
+    """Issue 26 item 4: one local root, an S3 remote, the root deleted. Each rank pulls its part; a part whose
+    chunks are read by range from a larger pack gets its manifest rewritten (generation 1), which once dropped
+    ``replicated``: rank 1 then found no "app" in rank 0's manifest and the job fell back or crashed. Now both
+    ranks resume step 3 bit for bit (model, optimizer, generator)."""
+    root, url, so = tmp_path / "root", s3_bucket_url.url, json.dumps(s3_bucket_url.storage_options)
+    saved = _ddp_rng_job(root, "--mode", "train", "--remote", url, "--so", so, "--steps", "3",
+                         "--full", str(tmp_path / "w.pt"))
+    assert {saved[r]["close"] for r in (0, 1)} == {"ok"} and {saved[r]["step"] for r in (0, 1)} == {3}
+    shutil.rmtree(root)
+    res = _ddp_rng_job(root, "--mode", "load", "--remote", url, "--so", so, "--full", str(tmp_path / "g.pt"))
+    assert [(res[r].get("result"), res[r].get("step"), res[r].get("tier")) for r in (0, 1)] == \
+        [("loaded", 3, "remote")] * 2, res
+    for r in (0, 1):
+        assert (res[r]["digest"], res[r]["rng"]) == (saved[r]["digest"], saved[r]["rng"]), r
+    assert_same_state(full(tmp_path / "g.pt")["state"], full(tmp_path / "w.pt")["state"])
+    # the path under test was taken: a pulled manifest was rewritten to name new local packs
+    assert [p.name for p in step_dir(root, 3).glob("manifest-*.g1.msgpack")], sorted(step_dir(root, 3).iterdir())
+
+
+def test_ddp_store_repacked_by_gc_resumes_on_2_ranks(tmp_path):
+    """Issue 26 item 4: ``ckptstore gc --repack`` rewrites the manifests of the steps whose packs it repacks
+    (the same repoint as a ranged pull); on a DDP store whose parts share packs it once dropped ``replicated``
+    from them, and the 2-rank resume found no older step to fall back to."""
+    root = tmp_path / "root"
+    saved = _ddp_rng_job(root, "--mode", "train", "--steps", "3", "--keep-last", "1", "--full", str(tmp_path / "w.pt"))
+    out = cli("gc", str(root), "--repack", "0.5", "--grace", "0").stdout
+    assert "repacked" in out and "steps [3]" in out, out
+    res = _ddp_rng_job(root, "--mode", "load", "--full", str(tmp_path / "g.pt"))
+    assert [(res[r].get("result"), res[r].get("step")) for r in (0, 1)] == [("loaded", 3)] * 2, res
+    for r in (0, 1):
+        assert (res[r]["digest"], res[r]["rng"]) == (saved[r]["digest"], saved[r]["rng"]), r
+    assert_same_state(full(tmp_path / "g.pt")["state"], full(tmp_path / "w.pt")["state"])
+
+
+def test_a_damaged_shard_map_on_the_remote_does_not_lose_the_step_when_parts_are_pulled(tmp_path):
+    """Issue 26 item 8: the root is lost and each rank pulls its part of step 2 from the remote, whose shard map
+    is damaged. The map is a hint: the step is pulled without it (logged) and both ranks resume it bit for bit;
+    the pull once failed on the map and the job fell back to step 1."""
+    root, remote = tmp_path / "root", tmp_path / "remote"
+    run(2, "--mode", "train", "--store", str(root), "--remote", f"file://{remote}", "--steps", "2",
+        "--full", str(tmp_path / "w.pt"))
+    (path,) = [p for p in step_dir(remote, 2).iterdir() if p.name.startswith("shards")]
+    path.write_bytes(b"\x00" * 8)
+    shutil.rmtree(root)
+    job = Job(2, "--mode", "load", "--store", str(root), "--remote", f"file://{remote}",
+              "--full", str(tmp_path / "g.pt"))
+    res = job.wait()
+    assert [(res[r].get("result"), res[r].get("step"), res[r].get("tier")) for r in (0, 1)] == \
+        [("loaded", 2, "remote")] * 2, res
+    assert "shard map unusable" in job.outputs[0] + job.outputs[1]
+    assert_same_state(full(tmp_path / "g.pt")["state"], full(tmp_path / "w.pt")["state"])
