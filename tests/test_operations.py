@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -440,3 +441,108 @@ def test_remote_retention_and_remote_gc_beside_a_writer_then_verify(tmp_path, s3
         got = r.load(12)
         want = state_at(12, frozen)
         assert torch.equal(got["w"], want["w"]) and torch.equal(got["frozen"], frozen)
+
+
+# -- deletions and retention that must survive a kill (issue 26, items 2 and 3) -----------------------------------
+# A separate process that runs ``plan`` (JSON: ["save", step, floats] / ["wait"] / ["delete", step]) on a store
+# uploading to the remote, then dies by SIGKILL: no close(), nothing the uploader had still to do gets done.
+PLAN = textwrap.dedent("""
+    import json, os, signal, sys
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    from ckptstore import Remote, Store, Writing
+    sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+    from test_operations import SMALL, planned_state
+    root, remote, opts, plan = sys.argv[2:6]
+    s = Store(root, writing=Writing(packing=SMALL), remote=Remote(remote), storage_options=json.loads(opts))
+    for op, *args in json.loads(plan):
+        if op == "save":
+            s.save(planned_state(*args), args[0])
+        elif op == "wait":
+            s.wait_for_uploads(timeout=120)
+        elif op == "delete":
+            s.delete_step(args[0], remote=True)
+    print("done", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def planned_state(step, floats=20_000):
+    return {"w": torch.randn(floats, generator=torch.Generator().manual_seed(step)), "step": step}
+
+
+def run_plan(root, target, plan):
+    args = [sys.executable, "-c", PLAN, str(REPO), str(root), target.url, json.dumps(target.storage_options),
+            json.dumps(plan)]
+    p = subprocess.run(args, capture_output=True, text=True, timeout=240, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert p.returncode == -9 and "done" in p.stdout, p.stdout + p.stderr
+
+
+def remote_step_dirs(target):
+    """Every step directory on the remote, committed or not (a step never uploaded has none)."""
+    return Catalog(open_storage(target.url, target.storage_options)).step_dirs()
+
+
+def intents_left(root):
+    return sorted(p.name for p in (Path(root) / "locks" / "remote-deletes").glob("*"))
+
+
+def test_remote_deletion_survives_sigkill_and_a_restarted_writer_finishes_it(tmp_path, s3_bucket_url):
+    """The issue's repro: save 1, save a large 2, delete_step(1, remote=True), SIGKILL while 2 uploads (the
+    deletion waits for it); a writer reopened on the same roots saves 3: the remote holds [2, 3], not [1, 2, 3]."""
+    root = tmp_path / "run"
+    run_plan(root, s3_bucket_url, [["save", 1], ["wait"], ["save", 2, 2_000_000], ["delete", 1]])
+    with Store(root, writing=Writing(packing=SMALL), **remote_kw(s3_bucket_url)) as s:
+        s.save(planned_state(3), 3)
+    with remote_store(s3_bucket_url) as r:
+        assert r.steps() == [2, 3] and r.verify() == {2: None, 3: None}
+    assert remote_step_dirs(s3_bucket_url) == [2, 3]
+    assert intents_left(root) == []                                 # done: the record is gone
+
+
+def test_a_killed_deletion_converges_on_restart_without_a_new_save(tmp_path, s3_bucket_url):
+    """SIGKILL between delete_step's return and the remote deletion, for an uploaded step (1) and for one whose
+    upload never happened (4: it waited behind 3); the restarted writer only resumes and closes. The remote
+    converges to [2, 3, 5] and never receives step 4."""
+    root = tmp_path / "run"
+    run_plan(root, s3_bucket_url, [["save", 1], ["save", 2], ["wait"], ["save", 3, 1_000_000], ["save", 4],
+                                   ["save", 5], ["delete", 1], ["delete", 4]])
+    with Store(root, writing=Writing(packing=SMALL), **remote_kw(s3_bucket_url)) as s:
+        assert s.resume({"w": None, "step": None}) == 5
+        assert s.steps() == [2, 3, 5]
+    assert remote_step_dirs(s3_bucket_url) == [2, 3, 5]
+    with remote_store(s3_bucket_url) as r:
+        assert r.steps() == [2, 3, 5] and r.verify() == {2: None, 3: None, 5: None}
+    assert intents_left(root) == []
+
+
+def test_a_deletion_waits_only_for_the_uploads_queued_before_it(tmp_path, s3_bucket_url, monkeypatch):
+    """delete_step(1) after step 3 was queued runs once 3 is uploaded, not once the queue is empty: step 4's
+    upload, queued after the call, is held back and step 1 leaves the remote meanwhile."""
+    gates = {3: threading.Event(), 4: threading.Event()}
+    real = StepCopier.copy_step
+
+    def gated_copy(self, step, **kw):
+        if self.src.local_path("") is not None and step in gates:   # uploads only (not pulls)
+            assert gates[step].wait(60)
+        return real(self, step, **kw)
+    monkeypatch.setattr(StepCopier, "copy_step", gated_copy)
+    with Store(tmp_path / "run", writing=Writing(packing=SMALL), **remote_kw(s3_bucket_url)) as s:
+        for step in (1, 2):
+            s.save(planned_state(step), step)
+        s.wait_for_uploads(timeout=60)
+        s.save(planned_state(3), 3)
+        s.delete_step(1)
+        s.save(planned_state(4), 4)
+        try:
+            assert remote_step_dirs(s3_bucket_url) == [1, 2]      # 3 is held: the deletion waits for it
+            gates[3].set()
+            deadline = time.monotonic() + 60
+            while 1 in remote_step_dirs(s3_bucket_url) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert remote_step_dirs(s3_bucket_url) == [2, 3]      # 1 went while 4 is still held
+        finally:
+            for gate in gates.values():
+                gate.set()
+    with remote_store(s3_bucket_url) as r:
+        assert r.steps() == [2, 3, 4]
