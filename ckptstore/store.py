@@ -159,8 +159,7 @@ class Store:
         self.load_path, self.load_components = load_path, self._loader.load_components
         self.pulled = self._maintenance.pulled      # what each pull into this root did, oldest first
         if remote is not None and remote.upload and not p.read_only:
-            p.upload_args = dict(workers=remote.workers, retry=remote.retry, max_backlog=remote.backlog,
-                                 on_uploaded=self._maintenance.after_upload, every=remote.every)
+            p.upload_args = self._maintenance.upload_args(remote)
             # started after resume() (or at the first save / wait / close): see Uploader.start. One uploader per
             # store root: rank 0's, and a parts-only one for each other root, started by its lowest rank at its
             # first commit (see ckptstore.saving), or now when this root already shows it is such a root (a
@@ -427,7 +426,8 @@ class Store:
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Wait for the save in flight and for uploads, release threads and staging memory. Idempotent.
+        """Wait for the save in flight, for uploads and remote deletions, apply local retention to the steps that
+        waited for their upload, release threads and staging memory. Idempotent.
 
         Raises the in-flight save's or an upload's error if nobody has seen it yet (the store is closed all
         the same; committed steps not yet uploaded are uploaded when the store is opened again)."""
@@ -440,8 +440,7 @@ class Store:
                 self.wait()
             finally:
                 try:
-                    if self._parts.uploader is not None:
-                        self._parts.uploader.close()
+                    self._maintenance.close()       # uploads, remote deletions, then local retention
                 finally:
                     self._saver.close()
         finally:

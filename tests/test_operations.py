@@ -546,3 +546,48 @@ def test_a_deletion_waits_only_for_the_uploads_queued_before_it(tmp_path, s3_buc
                 gate.set()
     with remote_store(s3_bucket_url) as r:
         assert r.steps() == [2, 3, 4]
+
+
+def test_a_restarted_writer_converges_both_stores_to_the_policy(tmp_path, s3_bucket_url):
+    """A run killed before retention was applied to what it left (here: saved without a policy); the writer
+    restarted with keep=Retention(last=2) only resumes and closes: both the remote and the local root then hold
+    what the policy keeps, with no new upload to trigger it."""
+    root = tmp_path / "run"
+    run_saver(root, 1, 6, keep=None, target=s3_bucket_url, how="kill")
+    with Store(root, keep=Retention(last=2, metric=None), writing=Writing(packing=SMALL),
+               **remote_kw(s3_bucket_url)) as s:
+        assert s.resume({"w": None, "small": None, "step": None}) == 6
+    with remote_store(s3_bucket_url) as r:
+        assert r.steps() == [5, 6]
+    with Store(root, create=False) as s:
+        assert s.steps() == [5, 6]
+
+
+@pytest.mark.parametrize("end", ["wait_for_uploads", "close"])
+def test_local_retention_applies_once_uploads_catch_up(tmp_path, s3_bucket_url, monkeypatch, end):
+    """keep=Retention(last=2), blocking saves whose uploads lag (held until the sixth save): retention after each
+    commit spares the steps waiting for upload; once uploaded they follow the policy, after the uploads and at
+    close(): local [5, 6] like the remote, not [1..6]."""
+    gate = threading.Event()
+    real = StepCopier.copy_step
+
+    def held_copy(self, step, **kw):
+        if self.src.local_path("") is not None:                    # uploads only (not pulls)
+            assert gate.wait(60)
+        return real(self, step, **kw)
+    monkeypatch.setattr(StepCopier, "copy_step", held_copy)
+    root = tmp_path / "run"
+    s = Store(root, keep=Retention(last=2, metric=None), writing=Writing(packing=SMALL), **remote_kw(s3_bucket_url))
+    for step in range(1, 7):
+        s.save(planned_state(step), step)
+    assert s.steps() == [1, 2, 3, 4, 5, 6]                           # all waiting for their upload
+    gate.set()
+    if end == "wait_for_uploads":
+        s.wait_for_uploads(timeout=120)
+        assert s.steps() == [5, 6]
+    s.close()
+    with Store(root, create=False) as local:
+        assert local.steps() == [5, 6] and local.verify() == {5: None, 6: None}
+    assert len(data_files(root)) == 2                                # one blob per kept step: the rest swept
+    with remote_store(s3_bucket_url) as r:
+        assert r.steps() == [5, 6]
