@@ -242,8 +242,9 @@ class Uploader:
         still to do of steps after ``after`` are done by it; one of ``after`` itself (about to be saved again)
         is done first; the others now wait for uploads up to ``after`` at most."""
         self._taint()
+        recorded = set(intents.read_all(self.local, self.remote.url))     # also before the uploader derived
         with self._cond:
-            mine = sorted(s for s in set(self._deletes) | self._deferred if s >= after)
+            mine = sorted(s for s in set(self._deletes) | self._deferred | recorded if s >= after)
         if after in mine:
             delete_steps(self.remote, [after], call=self.copier.call)
         dropped, newest = truncate_steps(self.remote, after, call=self.copier.call)

@@ -591,3 +591,44 @@ def test_local_retention_applies_once_uploads_catch_up(tmp_path, s3_bucket_url, 
     assert len(data_files(root)) == 2                                # one blob per kept step: the rest swept
     with remote_store(s3_bucket_url) as r:
         assert r.steps() == [5, 6]
+
+
+def test_a_deleted_step_saved_again_by_a_rewind_replaces_its_old_remote_copy(tmp_path, s3_bucket_url):
+    """delete_step(2) is killed before its remote deletion; the restarted writer rewinds to step 2
+    (on_rewind="truncate") before its uploader has even listed the remote: the old remote copy of 2 goes first,
+    the later steps with the truncation, and the new step 2 is uploaded whole and is not deleted afterwards."""
+    root = tmp_path / "run"
+    run_plan(root, s3_bucket_url, [["save", 1], ["save", 2], ["save", 3], ["save", 4], ["wait"],
+                                   ["save", 5, 1_000_000], ["delete", 2]])
+    new = planned_state(2, 30_000)                                 # not the bytes of the old step 2
+    with Store(root, writing=Writing(packing=SMALL), on_rewind="truncate", **remote_kw(s3_bucket_url)) as s:
+        s.save(new, 2)
+        assert s.steps() == [1, 2]
+    with remote_store(s3_bucket_url) as r:
+        assert r.steps() == [1, 2] and r.verify() == {1: None, 2: None}
+        assert torch.equal(r.load(2)["w"], new["w"])
+    assert intents_left(root) == []
+
+
+def test_a_damaged_or_foreign_deletion_record_is_logged_and_loses_nothing(tmp_path, memory_url, caplog):
+    """Steps 1 and 2 deleted locally; a deletion record whose body does not decode still names its step (its
+    file name): step 1 is deleted from the remote, logged with the file's name. A record for another remote is
+    left alone (logged), and so is step 2 on this one."""
+    root = tmp_path / "run"
+    with Store(root, writing=Writing(packing=SMALL), **remote_kw(memory_url)) as s:
+        for step in (1, 2, 3):
+            s.save(planned_state(step), step)
+        s.wait_for_uploads(timeout=60)
+        s.delete_step(1, remote=False)
+        s.delete_step(2, remote=False)
+    records = Path(root) / "locks" / "remote-deletes"
+    records.mkdir(parents=True)
+    (records / "000000000001.json").write_bytes(b"\x00{not json")
+    (records / "000000000002.json").write_text(json.dumps({"step": 2, "after": 3, "remote": "s3://elsewhere/run"}))
+    with caplog.at_level("INFO", logger="ckptstore"):
+        with Store(root, writing=Writing(packing=SMALL), **remote_kw(memory_url)) as s:
+            s.wait_for_uploads(timeout=60)
+    assert "000000000001.json is unreadable" in caplog.text and "s3://elsewhere/run" in caplog.text
+    with remote_store(memory_url) as r:
+        assert r.steps() == [2, 3]
+    assert intents_left(root) == ["000000000002.json"]
