@@ -14,7 +14,8 @@ Layout (format version 2; version 1 is the same without ``packs/`` and manifest 
     steps/<step:012d>/COMMIT       commit marker, written last: makes the step visible
     latest                         latest pointer (JSON), names the newest committed step
     quarantine/                    blobs found corrupt on read, moved aside so the next save rewrites them
-    locks/                         writer lease, gc lease, in-flight markers, gc epoch, retired packs
+    locks/                         writer lease, gc lease, in-flight markers, gc epoch, retired packs,
+                                   remote-deletion intents (a local root's: steps to delete from its remote)
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ GC_LEASE = "locks/gc.json"               # the one deleter (gc, retention sweep,
 INFLIGHT = "locks/inflight"              # locks/inflight/<token>.json: a save or copy in flight
 GC_EPOCH = "locks/gc-epoch"              # changes whenever a deleter removed something
 RETIRED = "locks/retired"                # locks/retired/<pack id>: a pack replaced by repack, and when
+REMOTE_DELETES = "locks/remote-deletes"  # locks/remote-deletes/<step>.json: a step to delete from the remote
 
 CODEC_SUFFIX = {"raw": "", "zstd": ".zst"}
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -147,3 +149,15 @@ def parse_inflight_name(name: str):
 
 def retired_path(pack_id: str) -> str:
     return f"{RETIRED}/{check_blob_id(pack_id)}"
+
+
+def remote_delete_path(step: int) -> str:
+    """``locks/remote-deletes/<step:012d>.json``: the intent to delete ``step`` from the remote (see
+    :mod:`ckptstore.intents`)."""
+    return f"{REMOTE_DELETES}/{check_step(step):012d}.json"
+
+
+def parse_remote_delete_name(name: str):
+    """``'000000000100.json'`` -> 100; anything else (temp files included) -> ``None``."""
+    m = re.match(r"^([0-9]{12})\.json$", name)
+    return int(m.group(1)) if m else None

@@ -3,8 +3,13 @@
 
 Every deletion goes through :func:`ckptstore.retention.apply` / :meth:`ckptstore.catalog.Catalog.delete_step`
 (commit marker first) and every sweep through :func:`ckptstore.gc.collect` under the gc lease; here they are
-only scheduled: after a commit (the saver's ``retain`` hand-off), after an upload (the uploader's callback),
-or when asked.
+only scheduled: after a commit (the saver's ``retain`` hand-off), after an upload and once the uploader has
+derived its work (its callbacks), at ``close``, or when asked.
+
+With a remote, retention after a commit spares the local steps whose upload is pending; once no upload needs
+them they follow ``keep`` again: after each upload, at ``close`` (uploads done), and when a restarted writer's
+uploader has derived its work (steps a killed run left). The remote's retention is applied after each upload
+and, likewise, once the work is derived, so a kill between an upload and its retention is made good.
 """
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import contextlib
 import logging
 import time
 from concurrent.futures import wait as futures_wait
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from . import retention as _retention
 from . import transfer
@@ -28,6 +33,7 @@ from .pointers import point_away_from, point_to_if_newest
 from .reader import stored_sizes
 from .state import path_str
 from .transfer import StepCopier, TransferStats
+from .options import Remote
 from .upload import apply_remote_retention
 
 log = logging.getLogger("ckptstore")
@@ -44,6 +50,23 @@ class Maintenance:
         self.p = parts
         self.pulled: List[TransferStats] = []
 
+    def upload_args(self, remote: Remote) -> Dict[str, Any]:
+        """The :class:`~ckptstore.upload.Uploader` arguments of this store (its knobs from ``remote``, and these
+        callbacks)."""
+        return dict(workers=remote.workers, retry=remote.retry, max_backlog=remote.backlog, every=remote.every,
+                    on_uploaded=self.after_upload, on_derived=self.after_derive)
+
+    def _needed_by_uploads(self) -> Optional[Set[int]]:
+        """The local steps an upload still needs (waiting or being uploaded); ``None`` while the uploader's work
+        is still to be derived (then every local step may be one: a restarted job's backlog). Read
+        busy_deriving() before pending(): derived afterwards, the backlog is in pending()."""
+        u = self.p.uploader
+        if u is None:
+            return set()
+        if u.busy_deriving():
+            return None
+        return set(u.pending())
+
     # -- after a commit, after an upload --------------------------------------------------------------------
     def after_commit(self, step: int, since: float, exclude: Optional[str]) -> bool:
         """After a commit this rank wrote: delete the steps retention drops, then sweep under the gc lease
@@ -52,14 +75,8 @@ class Maintenance:
         raised (an exception from ``save`` means the step is not committed). Returns whether a sweep ran."""
         p = self.p
         try:
-            protected = set()
-            if p.uploader is not None:
-                # a restarted job's uploader derives its backlog (local steps newer than the remote's newest)
-                # in the background: until it has, every local step may be one it is about to upload. Read
-                # busy_deriving() before pending(): derived afterwards, the backlog is in pending()
-                if p.uploader.busy_deriving():
-                    protected.update(p.catalog.committed_steps())
-                protected.update(p.uploader.pending())
+            needed = self._needed_by_uploads()
+            protected = set(p.catalog.committed_steps()) if needed is None else needed
             protected.add(step)
             doomed = _retention.apply(p.catalog, p.keep, protected, cache=p.metrics_cache,
                                       before_delete=self._point_away_from)
@@ -78,40 +95,91 @@ class Maintenance:
         return False
 
     def after_upload(self, step: int) -> None:
-        """Uploader callback: apply retention to the remote (its own copy of the policy's result), then
-        ``keep_local`` (local steps older than the newest uploaded one may go)."""
-        p = self.p
+        """Uploader callback: apply retention to the remote (its own copy of the policy's result), then to the
+        local steps no upload needs any more (``keep``, then ``keep_local``: local steps older than the newest
+        uploaded one may go). Logged, never raised."""
         self._apply_remote_retention(step)
-        keep_local = p.remote.keep_local if p.remote is not None else None
-        if keep_local is None:
-            return
-        with p.maint:
-            pending = set(p.uploader.pending()) - {step} if p.uploader is not None else set()
-            local = p.catalog.committed_steps()
-            newest = set(local[-keep_local:]) if keep_local > 0 else set()
-            keep = newest | pending | {s for s in local if s > step}
-            doomed = [s for s in local if s not in keep]
-            for s in doomed:
-                self._point_away_from(s)
-                p.catalog.delete_step(s)
-                p.metrics_cache.pop(s, None)
-            if doomed:
-                collect(p.storage, p.catalog, p.blobs, grace_seconds=0.0, index=p.index, wait=0.0)
-                log.info("keep_local=%d: removed local steps %s (uploaded)", keep_local, doomed)
+        self._retain_local(uploaded=step)
 
-    def _apply_remote_retention(self, step: int) -> None:
-        """On the uploader's thread, after ``step`` is uploaded: delete the remote steps the policy drops, then
-        gc the remote under its gc lease (see :func:`ckptstore.upload.apply_remote_retention`). Logged, never
-        raised: the step is uploaded."""
-        p = self.p
-        if p.keep is None or not p.keep.deletes or p.uploader is None:
+    def after_derive(self) -> None:
+        """Uploader callback once it has derived its work (at start-up: a restarted writer): retention on the
+        remote (a kill between an upload and its retention left more than the policy keeps), then ``keep`` on
+        the local steps no upload needs (a killed run's steps it spared for their uploads)."""
+        self._apply_remote_retention(None)
+        self._retain_local(uploaded=None, keep_local=False)
+
+    def close(self) -> None:
+        """``Store.close``'s part: close the uploader (waits for the uploads and remote deletions; raises their
+        failure), then, the uploads done, local retention once more (``keep``, then ``keep_local``) for the
+        steps that waited for an upload. A no-op without an uploader."""
+        uploader = self.p.uploader
+        if uploader is None:
             return
         try:
-            apply_remote_retention(p.remote_storage, p.keep, {step}, cache=p.remote_metrics_cache,
-                                   wait=RETENTION_WAIT, call=p.uploader.copier.call)
+            uploader.close()
+        finally:
+            self._retain_local(uploaded=None)
+
+    def _retain_local(self, uploaded: Optional[int], keep_local: bool = True) -> None:
+        """Delete the local steps ``keep`` drops among those no upload needs (``uploaded``: the step just
+        uploaded, needed no more), then with ``keep_local=K`` the uploaded local steps beyond the newest K
+        (those up to ``uploaded``, else up to the remote's newest); then sweep what they alone referenced
+        (no wait: deferred while a save is in flight). Never the newest or the best step. Logged, never raised."""
+        p = self.p
+        limit = p.remote.keep_local if keep_local and p.remote is not None else None
+        if (p.keep is None or not p.keep.deletes) and limit is None:
+            return
+        try:
+            with p.maint:
+                needed = self._needed_by_uploads()
+                if needed is None:
+                    return
+                needed.discard(uploaded)
+                doomed = _retention.apply(p.catalog, p.keep, needed, cache=p.metrics_cache,
+                                          before_delete=self._point_away_from)
+                if limit is not None:
+                    doomed += self._drop_uploaded(limit, needed, uploaded)
+                if doomed:
+                    collect(p.storage, p.catalog, p.blobs, grace_seconds=0.0, index=p.index, wait=0.0)
+                    log.info("local retention of %s: removed steps %s (no upload needs them)", p.root,
+                             sorted(doomed))
         except Exception as e:
-            log.error("step %d is uploaded, but retention on %s failed (retried after the next upload): %s: %s",
-                      step, p.remote_storage.url, type(e).__name__, e)
+            log.error("local retention of %s after the uploads failed (retried after the next upload or at "
+                      "close): %s: %s", p.root, type(e).__name__, e)
+
+    def _drop_uploaded(self, keep_local: int, needed: Set[int], uploaded: Optional[int]) -> List[int]:
+        """``Remote(keep_local=)``: delete the local steps up to ``uploaded`` (else the remote's newest) beyond
+        the newest ``keep_local``, except ``needed``; return them."""
+        p = self.p
+        upto = uploaded if uploaded is not None else p.uploader.remote_newest
+        local = p.catalog.committed_steps()
+        if upto is None:
+            return []
+        newest = set(local[-keep_local:]) if keep_local > 0 else set()
+        doomed = [s for s in local if s <= upto and s not in newest and s not in needed]
+        for s in doomed:
+            self._point_away_from(s)
+            p.catalog.delete_step(s)
+            p.metrics_cache.pop(s, None)
+        if doomed:
+            log.info("keep_local=%d: removed local steps %s (uploaded)", keep_local, doomed)
+        return doomed
+
+    def _apply_remote_retention(self, step: Optional[int]) -> None:
+        """On the uploader's thread, after ``step`` is uploaded (``None``: once its work is derived): delete the
+        remote steps the policy drops, then gc the remote under its gc lease (see
+        :func:`ckptstore.upload.apply_remote_retention`). Only the uploader that writes the remote's steps
+        (rank 0's) deletes there, never a node's parts uploader. Logged, never raised: the step is uploaded."""
+        p = self.p
+        if p.keep is None or not p.keep.deletes or not p.writes_remote:
+            return
+        try:
+            apply_remote_retention(p.remote_storage, p.keep, () if step is None else {step},
+                                   cache=p.remote_metrics_cache, wait=RETENTION_WAIT, call=p.uploader.copier.call)
+        except Exception as e:
+            what = f"step {step} is uploaded" if step is not None else "the uploads are derived"
+            log.error("%s, but retention on %s failed (retried after the next upload): %s: %s",
+                      what, p.remote_storage.url, type(e).__name__, e)
 
     def _point_away_from(self, step: int) -> None:
         point_away_from(self.p.storage, self.p.catalog, step)

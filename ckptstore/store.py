@@ -159,8 +159,7 @@ class Store:
         self.load_path, self.load_components = load_path, self._loader.load_components
         self.pulled = self._maintenance.pulled      # what each pull into this root did, oldest first
         if remote is not None and remote.upload and not p.read_only:
-            p.upload_args = dict(workers=remote.workers, retry=remote.retry, max_backlog=remote.backlog,
-                                 on_uploaded=self._maintenance.after_upload, every=remote.every)
+            p.upload_args = self._maintenance.upload_args(remote)
             # started after resume() (or at the first save / wait / close): see Uploader.start. One uploader per
             # store root: rank 0's, and a parts-only one for each other root, started by its lowest rank at its
             # first commit (see ckptstore.saving), or now when this root already shows it is such a root (a
@@ -417,18 +416,20 @@ class Store:
         """Remove a step the trainer no longer wants (Lightning's top-k rotation, torchtitan's
         ``keep_latest_k``): locally at once (commit marker first; its blobs are freed by the next retention
         sweep or :meth:`gc`), and with ``remote=True`` from the remote this store uploads to, on the uploader's
-        thread once every upload queued before this call is done (a waiting upload of the step is dropped; a
-        failure is raised like an upload's). Deleting a step that is not there is a no-op.
+        thread once the uploads of the steps committed before this call are done (a waiting upload of the step
+        is dropped, for good; a failure is raised like an upload's). Durable once it returns: recorded in the
+        local root first, a SIGKILL loses nothing, the next writer finishes it. A missing step is a no-op.
 
         Raises ``CheckpointError`` for the newest committed step (local or on the remote: the run must keep
-        something to resume from; ``force=True`` deletes it locally all the same, an operator's choice, and the
-        remote's newest step is never deleted) and for the step a save in flight writes; also on a
-        ``read_only`` store."""
+        something to resume from; ``force=True`` deletes it locally all the same, an operator's choice; the
+        remote's newest step goes only once a newer one is uploaded) and for the step a save in flight writes,
+        and on a ``read_only`` store; ``OSError`` when the deletion cannot be recorded (nothing is deleted)."""
         self._maintenance.delete_step(step, remote=remote, force=force)
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Wait for the save in flight and for uploads, release threads and staging memory. Idempotent.
+        """Wait for the save in flight, uploads and remote deletions; apply ``keep`` to the local steps that
+        waited for their upload; release threads and staging memory. Idempotent.
 
         Raises the in-flight save's or an upload's error if nobody has seen it yet (the store is closed all
         the same; committed steps not yet uploaded are uploaded when the store is opened again)."""
@@ -441,8 +442,7 @@ class Store:
                 self.wait()
             finally:
                 try:
-                    if self._parts.uploader is not None:
-                        self._parts.uploader.close()
+                    self._maintenance.close()       # uploads, remote deletions, then local retention
                 finally:
                     self._saver.close()
         finally:

@@ -4,10 +4,14 @@ Per step: blobs the remote lacks (in parallel; each verified against its id befo
 manifests, then the commit marker, then the remote latest pointer (moved forward only, with conditional
 writes). A remote reader therefore never sees a committed step with a missing blob.
 
-Crash safety: nothing about pending uploads lives only in memory. At start-up the steps to upload are derived
-from the two stores: every local committed step newer than the remote's newest committed step. A process
-killed mid-upload leaves at most blobs and manifests without a commit marker on the remote (invisible, and
-reused by the next attempt since blobs are content-addressed); reopening the store finishes the upload.
+Crash safety: nothing about pending uploads or deletions lives only in memory. At start-up the steps to upload
+are derived from the two stores: every local committed step newer than the remote's newest committed step. A
+process killed mid-upload leaves at most blobs and manifests without a commit marker on the remote (invisible,
+and reused by the next attempt since blobs are content-addressed); reopening the store finishes the upload.
+The steps to delete from the remote (``Store.delete_step``) are recorded in the local root before the call
+returns (:mod:`ckptstore.intents`) and read back by the same derivation; the remote's retention is applied
+again once the work is derived (the ``on_derived`` callback), so a restarted writer converges the remote to
+what the policy and the trainer's deletions say.
 
 Backlog policy: uploads never block training. When steps are committed faster than they upload, the queue
 keeps the step being uploaded plus the newest ``max_backlog`` waiting steps; older waiting steps are dropped
@@ -22,9 +26,9 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
-from . import retention
+from . import intents, retention
 from .blobs import BlobStore
 from .catalog import Catalog
 from .errors import CheckpointError, UploadError
@@ -49,11 +53,16 @@ class Uploader:
     """Uploads the committed steps of one local root. ``parts_only``: the root of a node other than rank 0's
     (node-local disks): upload its ranks' parts only (chunks, then manifests); rank 0's uploader writes the
     remote commit marker and pointer once every rank's part is there. Rank 0's uploader copies the parts its
-    own root holds and then waits for the others' (see :meth:`StepCopier.copy_step`)."""
+    own root holds and then waits for the others' (see :meth:`StepCopier.copy_step`).
+
+    Callbacks, on the uploader's thread (the uploader counts as busy while they run): ``on_uploaded(step)``
+    after each upload; ``on_derived()`` once the work is derived from the two stores (at start-up, and again
+    after a failure), with :meth:`pending` already holding the derived backlog."""
 
     def __init__(self, local, remote, *, workers: int = 8, retry: Optional[RetryPolicy] = None,
                  max_backlog: int = 8, on_uploaded: Optional[Callable[[int], None]] = None,
-                 parts_only: bool = False, start: bool = True, every: int = 1):
+                 on_derived: Optional[Callable[[], None]] = None, parts_only: bool = False, start: bool = True,
+                 every: int = 1):
         self.local, self.remote = local, remote
         self.every = max(1, int(every))              # only steps that are multiples of it are uploaded
         self.parts_only = parts_only
@@ -61,6 +70,7 @@ class Uploader:
         self.retry = self.copier.retry
         self.max_backlog = max(1, max_backlog)
         self.on_uploaded = on_uploaded
+        self.on_derived = on_derived
         self.uploaded: List[TransferStats] = []      # history, newest last
         self._queue: List[int] = []
         self._current: Optional[int] = None
@@ -72,7 +82,11 @@ class Uploader:
         self._lease = None                           # the remote's writer lease (see ckptstore.lease)
         self._paused = 0                             # > 0: start no new upload (a truncation is under way)
         self._deriving = False
-        self._deletes: List[int] = []                # steps the trainer deleted: removed from the remote in order
+        self._settling = False                       # on_derived is running
+        # steps the trainer deleted (each recorded in the local root: ckptstore.intents) -> the newest step
+        # queued or committed before the deletion: it runs once no queued upload is at or below that step
+        self._deletes: Dict[int, int] = {}
+        self._deferred: Set[int] = set()             # deletions of the remote's newest step: after the next upload
         self._deleting = False
         #: newest committed step on the remote as far as this uploader knows (None: none, or not derived yet)
         self.remote_newest: Optional[int] = None
@@ -127,7 +141,14 @@ class Uploader:
         return self._listed[0]
 
     def enqueue(self, step: int) -> None:
-        """Queue committed ``step`` for upload; a step that is not a multiple of ``every`` is not uploaded."""
+        """Queue committed ``step`` for upload; a step that is not a multiple of ``every`` is not uploaded. A
+        remote deletion of ``step`` still to do is void: the step was committed again since (a rewind)."""
+        with self._cond:
+            void = self._deletes.pop(step, None) is not None or step in self._deferred
+            self._deferred.discard(step)
+        if void:
+            intents.forget(self.local, step)
+            log.info("step %d was committed again: its deletion from %s is void", step, self.remote.url)
         if step % self.every:
             return
         self.start()
@@ -143,16 +164,25 @@ class Uploader:
             self._cond.notify_all()
 
     def delete_after_uploads(self, step: int) -> None:
-        """Remove ``step`` from the remote once every upload queued before this call is done (a waiting upload
-        of ``step`` itself is dropped): :func:`delete_steps` on the uploader's thread, in order with the
-        uploads. A failure is raised like an upload's (next ``save`` / ``wait_for_uploads`` / ``close``)."""
+        """Remove ``step`` from the remote once the uploads of every step committed or queued before this call
+        are done (a waiting upload of ``step`` itself is dropped): :func:`delete_steps` on the uploader's
+        thread, in commit order with the uploads; uploads queued later do not hold it back. The deletion is
+        first recorded in the local root (:mod:`ckptstore.intents`, fsynced), so it survives a SIGKILL and the
+        next writer finishes it; the caller deletes its local copy only after this returns. When ``step`` is
+        the remote's newest committed step (never deleted) it waits for the next upload. A failure is raised
+        like an upload's (next ``save`` / ``wait_for_uploads`` / ``close``). Raises ``OSError`` when the
+        intent cannot be written (nothing is deleted then)."""
+        local_steps = Catalog(self.local).committed_steps()
+        with self._cond:
+            after = max([self._highest, -1] + local_steps[-1:])
+        intents.record(self.local, intents.DeleteIntent(step, after, self.remote.url))
         self.start()
         with self._cond:
             self._taint(step)
             if step in self._queue:
                 self._queue.remove(step)
-            if step not in self._deletes:
-                self._deletes.append(step)
+            self._deferred.discard(step)
+            self._deletes[step] = after
             self._cond.notify_all()
 
     def busy_deriving(self) -> bool:
@@ -181,7 +211,7 @@ class Uploader:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while (self._queue or self._current is not None or not self._derived or self._deletes
-                   or self._deleting) and self._error is None:
+                   or self._deleting or self._deriving or self._settling) and self._error is None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise UploadError(f"uploads still pending after {timeout} s: steps {self.pending()}")
@@ -197,7 +227,7 @@ class Uploader:
             self._paused += 1
             if drop_after is not None:
                 self._queue = [s for s in self._queue if s <= drop_after]
-            while self._current is not None or self._deriving or self._deleting:
+            while self._current is not None or self._deriving or self._deleting or self._settling:
                 self._cond.wait()
         try:
             yield self
@@ -208,10 +238,27 @@ class Uploader:
 
     def truncate_remote(self, after: int) -> List[int]:
         """Delete the remote's committed steps newer than ``after`` and move its latest pointer back (see
-        :func:`truncate_steps`), each request under the retry policy. Call inside :meth:`paused`."""
+        :func:`truncate_steps`), each request under the retry policy. Call inside :meth:`paused`. Deletions
+        still to do of steps after ``after`` are done by it; one of ``after`` itself (about to be saved again)
+        is done first; the others now wait for uploads up to ``after`` at most."""
         self._taint()
+        recorded = set(intents.read_all(self.local, self.remote.url))     # also before the uploader derived
+        with self._cond:
+            mine = sorted(s for s in set(self._deletes) | self._deferred | recorded if s >= after)
+        if after in mine:
+            delete_steps(self.remote, [after], call=self.copier.call)
         dropped, newest = truncate_steps(self.remote, after, call=self.copier.call)
         self.remote_newest = newest
+        with self._cond:
+            for s in mine:
+                self._deletes.pop(s, None)
+                self._deferred.discard(s)
+            lowered = {s: after for s, a in self._deletes.items() if a > after}
+            self._deletes.update(lowered)
+        for s in mine:
+            intents.forget(self.local, s)
+        for s in lowered:
+            intents.record(self.local, intents.DeleteIntent(s, after, self.remote.url))
         return dropped
 
     def close(self, timeout: Optional[float] = None) -> None:
@@ -230,7 +277,10 @@ class Uploader:
     # -- the thread -----------------------------------------------------------------------------------------
     def _derive(self) -> None:
         """Pending steps = local committed steps newer than the remote's newest committed step (found from the
-        remote's latest pointer: :meth:`Catalog.newest_committed`, a few requests whatever the number of steps)."""
+        remote's latest pointer: :meth:`Catalog.newest_committed`, a few requests whatever the number of steps).
+        Pending deletions = the intents in the local root for this remote (:mod:`ckptstore.intents`), except
+        those of a step committed locally: that deletion never returned (killed before the local commit marker
+        went) or the step was committed again since; the intent is void and removed."""
         seen: List[int] = []
         newest = self.copier.call(lambda: Catalog(self.remote).newest_committed(seen)[0][:1], "list remote steps")
         if self._lease is None and not self.parts_only:
@@ -244,7 +294,16 @@ class Uploader:
             self.copier.remember_dst_step(newest_remote, ranks="present")
         local_steps = Catalog(self.local).committed_steps()
         todo = [s for s in local_steps if (newest_remote is None or s > newest_remote) and s % self.every == 0]
+        found = intents.read_all(self.local, self.remote.url) if not self.parts_only else {}
         with self._cond:
+            asked = set(self._deletes) | self._deferred      # by this process: their local copy is going
+        for s in (set(found) & set(local_steps)) - asked:
+            log.info("step %d is committed in %s: its remote-deletion intent is void", s, self.local.url)
+            intents.forget(self.local, found.pop(s).step)
+        with self._cond:
+            for s, intent in found.items():
+                if s not in self._deferred:
+                    self._deletes.setdefault(s, intent.after)
             self._highest = max([self._highest] + todo)
             self._verify_upto = max(seen + [self._highest if self._verify_upto is not None else -1,
                                             self._verify_upto if self._verify_upto is not None else -1])
@@ -256,6 +315,8 @@ class Uploader:
             self._derived = True
         if todo:
             log.info("uploads pending from %s to %s: steps %s", self.local.url, self.remote.url, self._queue)
+        if found:
+            log.info("deletions pending on %s: steps %s", self.remote.url, sorted(found))
 
     def _run(self) -> None:
         lower_priority()
@@ -269,28 +330,29 @@ class Uploader:
                 need_derive = not self._derived
                 self._deriving = need_derive
             if need_derive:
+                derived = False
                 try:
                     self._derive()
+                    derived = True
                 except BaseException as e:
                     self._fail(e)
                 finally:
+                    settle = derived and self.on_derived is not None
                     with self._cond:
                         self._deriving = False
+                        self._settling = settle
                         self._cond.notify_all()
+                if settle:
+                    self._settle()
                 continue
             with self._cond:
-                doomed: List[int] = []
-                if not self._queue and self._deletes:  # after every upload queued before them
-                    doomed, self._deletes, self._deleting = self._deletes, [], True
+                # deletions whose uploads (those queued or committed before them) are done; later ones wait
+                doomed = {s: a for s, a in self._deletes.items() if not any(q <= a for q in self._queue)}
+                for s in doomed:
+                    del self._deletes[s]
+                self._deleting = bool(doomed)
             if doomed:
-                try:
-                    delete_steps(self.remote, doomed, call=self.copier.call)
-                except BaseException as e:
-                    self._fail(e)
-                finally:
-                    with self._cond:
-                        self._deleting = False
-                        self._cond.notify_all()
+                self._delete(doomed)
                 continue
             with self._cond:
                 if not self._queue:
@@ -315,11 +377,48 @@ class Uploader:
                              stats.blobs_total, stats.bytes_copied, stats.seconds)
                     if self.on_uploaded is not None:
                         self.on_uploaded(step)
+                    with self._cond:                 # the remote's newest is no longer what they would delete
+                        self._deletes.update((s, -1) for s in self._deferred)
+                        self._deferred.clear()
                 with self._cond:
                     self._current = None
                     self._cond.notify_all()
             except BaseException as e:
                 self._fail(e, step)
+
+    def _settle(self) -> None:
+        """Run ``on_derived`` (logged, never raised: the work is derived); the uploader is busy meanwhile."""
+        try:
+            self.on_derived()
+        except Exception as e:
+            log.error("after deriving the uploads to %s: %s: %s", self.remote.url, type(e).__name__, e)
+        finally:
+            with self._cond:
+                self._settling = False
+                self._cond.notify_all()
+
+    def _delete(self, doomed: Dict[int, int]) -> None:
+        """Delete ``doomed`` (step -> its ``after``) from the remote, then forget their intents; the remote's
+        newest committed step is kept and its deletion deferred to after the next upload. On failure they go
+        back to the pending deletions and the failure is raised like an upload's."""
+        try:
+            if self._lease is not None:
+                self._lease.check()                  # a writer that lost the remote's lease deletes nothing
+            _, kept, _ = delete_steps(self.remote, sorted(doomed), call=self.copier.call)
+            for s in doomed:
+                if s not in kept:
+                    intents.forget(self.local, s)
+            with self._cond:
+                self._deferred.update(kept)
+        except BaseException as e:
+            with self._cond:
+                for s, a in doomed.items():
+                    self._deletes.setdefault(s, a)
+            self._fail(e, what=f"deletion of steps {sorted(doomed)}")
+        finally:
+            with self._cond:
+                self._deleting = False
+                self._cond.notify_all()
 
     def _taint(self, step: Optional[int] = None) -> None:
         """No step this uploader has been given so far (nor ``step``) is fresh any more: a failed, truncated or
@@ -328,8 +427,8 @@ class Uploader:
         self._verify_upto = max(self._highest, step if step is not None else -1,
                                 self._verify_upto if self._verify_upto is not None else -1)
 
-    def _fail(self, e: BaseException, step: Optional[int] = None) -> None:
-        what = f"upload of step {step}" if step is not None else "upload start-up"
+    def _fail(self, e: BaseException, step: Optional[int] = None, what: Optional[str] = None) -> None:
+        what = what or (f"upload of step {step}" if step is not None else "upload start-up")
         detail = str(e) if isinstance(e, UploadError) else f"{type(e).__name__}: {e}"
         err = UploadError(f"{what} to {self.remote.url} failed: {detail}")
         err.__cause__ = e
@@ -370,28 +469,31 @@ def truncate_steps(storage, after: int, call=_direct) -> Tuple[List[int], Option
 
 
 def delete_steps(remote, steps: List[int], *, call=_direct, grace_seconds: float = 0.0, wait: float = 5.0
-                 ) -> Tuple[List[int], Optional[GCReport]]:
+                 ) -> Tuple[List[int], List[int], Optional[GCReport]]:
     """Delete ``steps`` from ``remote`` (each: commit marker first, then its files), never its newest
-    committed step (skipped, logged: FORMAT.md "Writers and deleters"), then collect the remote's unreferenced
-    blobs and packs under its gc lease as retention does. Returns the deleted steps and the gc report (``None``
+    committed step (kept, logged: FORMAT.md "Writers and deleters"), then collect the remote's unreferenced
+    blobs and packs under its gc lease as retention does (what any committed step or a copy in flight
+    references stays). Returns the deleted steps, the steps kept as the newest, and the gc report (``None``
     when nothing was deleted)."""
     catalog = Catalog(remote)
     committed = call(catalog.committed_steps, f"list steps of {remote.url}")
     newest = committed[-1] if committed else None
-    gone = []
+    gone, kept = [], []
     for s in sorted(set(steps)):
         if s == newest:
-            log.warning("not deleting step %d from %s: it is the newest committed step there", s, remote.url)
+            log.info("not deleting step %d from %s yet: it is the newest committed step there (deleted after "
+                     "a newer one is uploaded)", s, remote.url)
+            kept.append(s)
             continue
         if s in committed or s in call(catalog.step_dirs, f"list steps of {remote.url}"):
             call(lambda s=s: catalog.delete_step(s), f"delete step {s} of {remote.url}")
             gone.append(s)
     if not gone:
-        return gone, None
+        return gone, kept, None
     log.info("deleted steps %s from %s", gone, remote.url)
     report = call(lambda: collect(remote, catalog, BlobStore(remote, quarantine=False),
                                   grace_seconds=grace_seconds, wait=wait), f"gc of {remote.url}")
-    return gone, report
+    return gone, kept, report
 
 
 def apply_remote_retention(remote, policy, protected=(), *, cache: Optional[Dict[int, Mapping[str, Any]]] = None,

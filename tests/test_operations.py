@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -440,3 +441,194 @@ def test_remote_retention_and_remote_gc_beside_a_writer_then_verify(tmp_path, s3
         got = r.load(12)
         want = state_at(12, frozen)
         assert torch.equal(got["w"], want["w"]) and torch.equal(got["frozen"], frozen)
+
+
+# -- deletions and retention that must survive a kill (issue 26, items 2 and 3) -----------------------------------
+# A separate process that runs ``plan`` (JSON: ["save", step, floats] / ["wait"] / ["delete", step]) on a store
+# uploading to the remote, then dies by SIGKILL: no close(), nothing the uploader had still to do gets done.
+PLAN = textwrap.dedent("""
+    import json, os, signal, sys
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    from ckptstore import Remote, Store, Writing
+    sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+    from test_operations import SMALL, planned_state
+    root, remote, opts, plan = sys.argv[2:6]
+    s = Store(root, writing=Writing(packing=SMALL), remote=Remote(remote), storage_options=json.loads(opts))
+    for op, *args in json.loads(plan):
+        if op == "save":
+            s.save(planned_state(*args), args[0])
+        elif op == "wait":
+            s.wait_for_uploads(timeout=120)
+        elif op == "delete":
+            s.delete_step(args[0], remote=True)
+    print("done", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def planned_state(step, floats=20_000):
+    return {"w": torch.randn(floats, generator=torch.Generator().manual_seed(step)), "step": step}
+
+
+def run_plan(root, target, plan):
+    args = [sys.executable, "-c", PLAN, str(REPO), str(root), target.url, json.dumps(target.storage_options),
+            json.dumps(plan)]
+    p = subprocess.run(args, capture_output=True, text=True, timeout=240, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert p.returncode == -9 and "done" in p.stdout, p.stdout + p.stderr
+
+
+def remote_step_dirs(target):
+    """Every step directory on the remote, committed or not (a step never uploaded has none)."""
+    return Catalog(open_storage(target.url, target.storage_options)).step_dirs()
+
+
+def intents_left(root):
+    return sorted(p.name for p in (Path(root) / "locks" / "remote-deletes").glob("*"))
+
+
+def test_remote_deletion_survives_sigkill_and_a_restarted_writer_finishes_it(tmp_path, s3_bucket_url):
+    """The issue's repro: save 1, save a large 2, delete_step(1, remote=True), SIGKILL while 2 uploads (the
+    deletion waits for it); a writer reopened on the same roots saves 3: the remote holds [2, 3], not [1, 2, 3]."""
+    root = tmp_path / "run"
+    run_plan(root, s3_bucket_url, [["save", 1], ["wait"], ["save", 2, 2_000_000], ["delete", 1]])
+    with Store(root, writing=Writing(packing=SMALL), **remote_kw(s3_bucket_url)) as s:
+        s.save(planned_state(3), 3)
+    with remote_store(s3_bucket_url) as r:
+        assert r.steps() == [2, 3] and r.verify() == {2: None, 3: None}
+    assert remote_step_dirs(s3_bucket_url) == [2, 3]
+    assert intents_left(root) == []                                 # done: the record is gone
+
+
+def test_a_killed_deletion_converges_on_restart_without_a_new_save(tmp_path, s3_bucket_url):
+    """SIGKILL between delete_step's return and the remote deletion, for an uploaded step (1) and for one whose
+    upload never happened (4: it waited behind 3); the restarted writer only resumes and closes. The remote
+    converges to [2, 3, 5] and never receives step 4."""
+    root = tmp_path / "run"
+    run_plan(root, s3_bucket_url, [["save", 1], ["save", 2], ["wait"], ["save", 3, 1_000_000], ["save", 4],
+                                   ["save", 5], ["delete", 1], ["delete", 4]])
+    with Store(root, writing=Writing(packing=SMALL), **remote_kw(s3_bucket_url)) as s:
+        assert s.resume({"w": None, "step": None}) == 5
+        assert s.steps() == [2, 3, 5]
+    assert remote_step_dirs(s3_bucket_url) == [2, 3, 5]
+    with remote_store(s3_bucket_url) as r:
+        assert r.steps() == [2, 3, 5] and r.verify() == {2: None, 3: None, 5: None}
+    assert intents_left(root) == []
+
+
+def test_a_deletion_waits_only_for_the_uploads_queued_before_it(tmp_path, s3_bucket_url, monkeypatch):
+    """delete_step(1) after step 3 was queued runs once 3 is uploaded, not once the queue is empty: step 4's
+    upload, queued after the call, is held back and step 1 leaves the remote meanwhile."""
+    gates = {3: threading.Event(), 4: threading.Event()}
+    real = StepCopier.copy_step
+
+    def gated_copy(self, step, **kw):
+        if self.src.local_path("") is not None and step in gates:   # uploads only (not pulls)
+            assert gates[step].wait(60)
+        return real(self, step, **kw)
+    monkeypatch.setattr(StepCopier, "copy_step", gated_copy)
+    with Store(tmp_path / "run", writing=Writing(packing=SMALL), **remote_kw(s3_bucket_url)) as s:
+        for step in (1, 2):
+            s.save(planned_state(step), step)
+        s.wait_for_uploads(timeout=60)
+        s.save(planned_state(3), 3)
+        s.delete_step(1)
+        s.save(planned_state(4), 4)
+        try:
+            assert remote_step_dirs(s3_bucket_url) == [1, 2]      # 3 is held: the deletion waits for it
+            gates[3].set()
+            deadline = time.monotonic() + 60
+            while 1 in remote_step_dirs(s3_bucket_url) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert remote_step_dirs(s3_bucket_url) == [2, 3]      # 1 went while 4 is still held
+        finally:
+            for gate in gates.values():
+                gate.set()
+    with remote_store(s3_bucket_url) as r:
+        assert r.steps() == [2, 3, 4]
+
+
+def test_a_restarted_writer_converges_both_stores_to_the_policy(tmp_path, s3_bucket_url):
+    """A run killed before retention was applied to what it left (here: saved without a policy); the writer
+    restarted with keep=Retention(last=2) only resumes and closes: both the remote and the local root then hold
+    what the policy keeps, with no new upload to trigger it."""
+    root = tmp_path / "run"
+    run_saver(root, 1, 6, keep=None, target=s3_bucket_url, how="kill")
+    with Store(root, keep=Retention(last=2, metric=None), writing=Writing(packing=SMALL),
+               **remote_kw(s3_bucket_url)) as s:
+        assert s.resume({"w": None, "small": None, "step": None}) == 6
+    with remote_store(s3_bucket_url) as r:
+        assert r.steps() == [5, 6]
+    with Store(root, create=False) as s:
+        assert s.steps() == [5, 6]
+
+
+@pytest.mark.parametrize("end", ["wait_for_uploads", "close"])
+def test_local_retention_applies_once_uploads_catch_up(tmp_path, s3_bucket_url, monkeypatch, end):
+    """keep=Retention(last=2), blocking saves whose uploads lag (held until the sixth save): retention after each
+    commit spares the steps waiting for upload; once uploaded they follow the policy, after the uploads and at
+    close(): local [5, 6] like the remote, not [1..6]."""
+    gate = threading.Event()
+    real = StepCopier.copy_step
+
+    def held_copy(self, step, **kw):
+        if self.src.local_path("") is not None:                    # uploads only (not pulls)
+            assert gate.wait(60)
+        return real(self, step, **kw)
+    monkeypatch.setattr(StepCopier, "copy_step", held_copy)
+    root = tmp_path / "run"
+    s = Store(root, keep=Retention(last=2, metric=None), writing=Writing(packing=SMALL), **remote_kw(s3_bucket_url))
+    for step in range(1, 7):
+        s.save(planned_state(step), step)
+    assert s.steps() == [1, 2, 3, 4, 5, 6]                           # all waiting for their upload
+    gate.set()
+    if end == "wait_for_uploads":
+        s.wait_for_uploads(timeout=120)
+        assert s.steps() == [5, 6]
+    s.close()
+    with Store(root, create=False) as local:
+        assert local.steps() == [5, 6] and local.verify() == {5: None, 6: None}
+    assert len(data_files(root)) == 2                                # one blob per kept step: the rest swept
+    with remote_store(s3_bucket_url) as r:
+        assert r.steps() == [5, 6]
+
+
+def test_a_deleted_step_saved_again_by_a_rewind_replaces_its_old_remote_copy(tmp_path, s3_bucket_url):
+    """delete_step(2) is killed before its remote deletion; the restarted writer rewinds to step 2
+    (on_rewind="truncate") before its uploader has even listed the remote: the old remote copy of 2 goes first,
+    the later steps with the truncation, and the new step 2 is uploaded whole and is not deleted afterwards."""
+    root = tmp_path / "run"
+    run_plan(root, s3_bucket_url, [["save", 1], ["save", 2], ["save", 3], ["save", 4], ["wait"],
+                                   ["save", 5, 1_000_000], ["delete", 2]])
+    new = planned_state(2, 30_000)                                 # not the bytes of the old step 2
+    with Store(root, writing=Writing(packing=SMALL), on_rewind="truncate", **remote_kw(s3_bucket_url)) as s:
+        s.save(new, 2)
+        assert s.steps() == [1, 2]
+    with remote_store(s3_bucket_url) as r:
+        assert r.steps() == [1, 2] and r.verify() == {1: None, 2: None}
+        assert torch.equal(r.load(2)["w"], new["w"])
+    assert intents_left(root) == []
+
+
+def test_a_damaged_or_foreign_deletion_record_is_logged_and_loses_nothing(tmp_path, memory_url, caplog):
+    """Steps 1 and 2 deleted locally; a deletion record whose body does not decode still names its step (its
+    file name): step 1 is deleted from the remote, logged with the file's name. A record for another remote is
+    left alone (logged), and so is step 2 on this one."""
+    root = tmp_path / "run"
+    with Store(root, writing=Writing(packing=SMALL), **remote_kw(memory_url)) as s:
+        for step in (1, 2, 3):
+            s.save(planned_state(step), step)
+        s.wait_for_uploads(timeout=60)
+        s.delete_step(1, remote=False)
+        s.delete_step(2, remote=False)
+    records = Path(root) / "locks" / "remote-deletes"
+    records.mkdir(parents=True)
+    (records / "000000000001.json").write_bytes(b"\x00{not json")
+    (records / "000000000002.json").write_text(json.dumps({"step": 2, "after": 3, "remote": "s3://elsewhere/run"}))
+    with caplog.at_level("INFO", logger="ckptstore"):
+        with Store(root, writing=Writing(packing=SMALL), **remote_kw(memory_url)) as s:
+            s.wait_for_uploads(timeout=60)
+    assert "000000000001.json is unreadable" in caplog.text and "s3://elsewhere/run" in caplog.text
+    with remote_store(memory_url) as r:
+        assert r.steps() == [2, 3]
+    assert intents_left(root) == ["000000000002.json"]
