@@ -163,10 +163,9 @@ class Remote:
     @contextlib.contextmanager
     def counted(self, bucket: str):
         """The yielded dict gets ``requests`` (moto's log), ``moto_cpu`` and ``client_cpu`` of the block."""
-        out: dict[str, Any] = {}
-        off, m0, c0 = self.server.log_path.stat().st_size, C.proc_cpu(self.server.pids()), C.self_cpu()
-        yield out
-        out.update(moto_cpu=C.proc_cpu(self.server.pids()) - m0, client_cpu=C.self_cpu() - c0)
+        off = self.server.log_path.stat().st_size
+        with C.cpu_seconds(self.server.pids()) as out:
+            yield out
         out["requests"] = self.requests_since(off, bucket)
 
     def listing(self, bucket: str, prefix: str) -> dict[str, Any]:

@@ -533,6 +533,16 @@ def self_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+@contextlib.contextmanager
+def cpu_seconds(server_pids: list[int]) -> Iterator[dict[str, float]]:
+    """The yielded dict gets ``moto_cpu`` (CPU seconds of the server's processes) and ``client_cpu`` (of
+    this process) spent in the block."""
+    out: dict[str, float] = {}
+    m0, c0 = proc_cpu(server_pids), self_cpu()
+    yield out
+    out.update(moto_cpu=proc_cpu(server_pids) - m0, client_cpu=self_cpu() - c0)
+
+
 def boto3_client(server: Any, concurrency: int = 8) -> Any:
     """A boto3 S3 client for a backends.launcher.S3Server (path-style, pool >= ``concurrency``)."""
     import boto3
