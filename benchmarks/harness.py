@@ -16,7 +16,7 @@ traceback). :func:`parser` gives every benchmark the same ``--repeat``, ``--json
 
 Multi-rank benchmarks launch their ranks with :func:`launch` (tests/dist.py's ``Job``: ranks like torchrun,
 gloo on 127.0.0.1) and write their rank side as ``rank_main(fn)``; the ranks alternate their contenders with
-:func:`alternated` and the driver folds the slowest rank of each repeat into a row with :func:`slowest`.
+:func:`alternated` and the driver folds the slowest rank of each repeat into a row with :func:`fold`.
 
 Nothing here imports ckptstore: a benchmark whose ckptstore API is missing prints ``n/a`` for those rows.
 """
@@ -143,12 +143,13 @@ Anchor = str | Callable[[Row], str | None]
 
 class Results:
     """Rows in declaration order. ``rep`` is the repeat being run (``first``: it is the first, where the
-    benchmarks verify what they load)."""
+    benchmarks verify what they load). ``ratios`` / ``columns``: what :meth:`table` shows by default."""
 
-    def __init__(self, title: str = "") -> None:
-        self.title = title
+    def __init__(self, ratios: dict[str, Anchor] | None = None,
+                 columns: Sequence[tuple[str, Callable[[Row], str]]] = ()) -> None:
         self.rows: dict[str, Row] = {}
         self.rep = 0
+        self.ratios, self.columns = dict(ratios or {}), list(columns)   # the defaults of table() / to_json()
 
     @property
     def first(self) -> bool:
@@ -211,12 +212,13 @@ class Results:
         return a / b if a is not None and b else None
 
     # -- output
-    def table(self, *, ratios: dict[str, Anchor] | None = None, columns: Sequence[tuple[str, Callable]] = (),
+    def table(self, *, ratios: dict[str, Anchor] | None = None, columns: Sequence[tuple[str, Callable]] | None = None,
               head: str = "method", key: str = "seconds", unit: str = "s", fmt: str = "{:.3f}",
               rows: Iterable[str] | None = None, note: bool = True) -> str:
         """Name, median and min-max of ``key``, then ``x <anchor>`` ratios of medians (above 1: slower or
         larger than the anchor), then ``columns`` (header, row -> cell), then the note."""
-        ratios = ratios or {}
+        ratios = self.ratios if ratios is None else ratios
+        columns = self.columns if columns is None else columns
         lines = [[head, f"median {unit}", f"min-max {unit}", *ratios, *(h for h, _ in columns)]
                  + (["note"] if note else [])]
         for name in rows if rows is not None else self.rows:
@@ -227,7 +229,8 @@ class Results:
             cells = [name, fmt.format(m) if m is not None else "n/a", r.span(key, fmt)]
             for anchor in ratios.values():
                 x = self.ratio(name, anchor, key)
-                cells.append(f"{x:.2f}" if x is not None else "n/a")
+                none = callable(anchor) and not anchor(r)            # a row without an anchor: blank
+                cells.append(f"{x:.2f}" if x is not None else "" if none else "n/a")
             cells += [fn(r) if r.samples else "" for _, fn in columns]
             lines.append(cells + ([r.note] if note else []))
         return C.align_table(lines)
@@ -272,10 +275,15 @@ class Contender:
     group: str = ""
 
 
+def order(items: Sequence[Any], rep: int) -> list[Any]:
+    """The items in the order of repeat ``rep``: as given, reversed every other repeat (A B C, C B A, ...)."""
+    return list(items) if rep % 2 == 0 else list(reversed(items))
+
+
 def alternated(items: Sequence[Any], repeat: int) -> Iterator[tuple[int, Any]]:
-    """(repeat, item): every item once per repeat, the order reversed every other repeat."""
+    """(repeat, item): every item once per repeat, in :func:`order`."""
     for rep in range(repeat):
-        for it in (items if rep % 2 == 0 else list(reversed(items))):
+        for it in order(items, rep):
             yield rep, it
 
 
@@ -365,10 +373,18 @@ def rank_main(fn: Callable[[int, int], dict | None], backend: str = "gloo") -> N
     os._exit(0)                     # interpreter teardown after destroy_process_group may abort
 
 
-def slowest(ranks: list[dict], name: str, key: str = "s") -> list[float]:
-    """Per repeat, the slowest rank's value of sample ``name`` (ranks start each repeat after a barrier)."""
-    n = len(ranks[0]["samples"][name])
-    return [max(r["samples"][name][i][key] for r in ranks) for i in range(n)]
+def fold(res: Results, ranks: list[dict], name: str, row: str | None = None,
+         extra: Callable[[list[dict]], dict] | None = None) -> Row:
+    """Rank results ``{"samples": {name: [rec per repeat]}, "wrong": [names]}`` into row ``row``: per repeat
+    one sample, the slowest rank's ``s`` (ranks start each repeat after a barrier) as its seconds, the largest
+    ``peak``, and ``extra(recs of every rank)``; ``WRONG DATA`` when a rank's check of ``name`` failed."""
+    row = row or name
+    for i in range(len(ranks[0]["samples"][name])):
+        recs = [r["samples"][name][i] for r in ranks]
+        peaks = [x["peak"] for x in recs if x.get("peak") is not None]
+        res.add(row, max(x["s"] for x in recs), peak=max(peaks) if peaks else None, **(extra(recs) if extra else {}))
+    res.check(row, not any(name in r.get("wrong", ()) for r in ranks))
+    return res.rows[row]
 
 
 def pct(xs: Sequence[float], q: float) -> float:
