@@ -444,6 +444,14 @@ def gpu_correctness(args, base: Path, device: torch.device) -> dict[str, Any]:
             opt.zero_grad(set_to_none=True)
             sync(device)
 
+        def save_then_train(step: int) -> tuple[dict, dict]:
+            """save(blocking=False), then M training steps right away with no sync; (end state, saved step)."""
+            h = store.save(state, step, blocking=False)
+            for i in range(M):
+                train_step(model, opt, 101 + i, args.gpu_batch, args.gpu_seq, device)
+            h.result()
+            return cpu_copy(live_tree(model, opt)), dict(walk(store.load(step, map_location="cpu")))
+
         try:
             # controls
             restore()
@@ -464,12 +472,7 @@ def gpu_correctness(args, base: Path, device: torch.device) -> dict[str, Any]:
             # sync: copy taken at save time, then save, then training with no sync in between
             restore()
             snap = cpu_copy(live_tree(model, opt))
-            h = store.save(state, 1, blocking=False)
-            for i in range(M):
-                train_step(model, opt, 101 + i, args.gpu_batch, args.gpu_seq, device)
-            h.result()
-            end = cpu_copy(live_tree(model, opt))
-            loaded = dict(walk(store.load(1, map_location="cpu")))
+            end, loaded = save_then_train(1)
             bad = bitwise_diff(snap, loaded)
             out["sync_saved_equals_copy"] = not bad
             out["sync_saved_bad"] = bad[:5]
@@ -479,12 +482,7 @@ def gpu_correctness(args, base: Path, device: torch.device) -> dict[str, Any]:
             # queued: save while the previous step's kernels are still in flight
             restore()
             train_step(model, opt, 100, args.gpu_batch, args.gpu_seq, device)
-            h = store.save(state, 2, blocking=False)
-            for i in range(M):
-                train_step(model, opt, 101 + i, args.gpu_batch, args.gpu_seq, device)
-            h.result()
-            end = cpu_copy(live_tree(model, opt))
-            loaded = dict(walk(store.load(2, map_location="cpu")))
+            end, loaded = save_then_train(2)
             bad = bitwise_diff(a_s1, loaded)
             out["queued_saved_equals_s1"] = not bad
             out["queued_saved_max_abs_diff"] = max_abs_diff(a_s1, loaded)
@@ -508,14 +506,18 @@ def section_gpu(args: Any, base: Path) -> dict[str, Any]:
     print(f"   {name}; batch {args.gpu_batch} x {args.gpu_seq} tokens; {args.gpu_saves} saves per method, "
           f"each followed by {args.gpu_train_after} training steps")
     res: dict[str, Any] = {"device": name}
-    try:
-        res["timings"] = tm = gpu_timings(args, base, device)
-    except Exception as e:
-        if DEBUG:
-            traceback.print_exc()
-        print(f"   timings FAILED: {C.fmt_note(e)}")
-        res["timings_error"] = C.fmt_note(e)
-        tm = None
+
+    def attempt(key: str, fn) -> Any:
+        """``res[key] = fn()``; a failure is printed and kept as ``res[key + "_error"]`` (the section goes on)."""
+        try:
+            res[key] = fn()
+            return res[key]
+        except Exception as e:
+            if DEBUG:
+                traceback.print_exc()
+            print(f"   {key} FAILED: {C.fmt_note(e)}")
+            res[f"{key}_error"] = C.fmt_note(e)
+    tm = attempt("timings", lambda: gpu_timings(args, base, device))
     if tm is not None:
         ta = tm["train_alone_s"]
         print(f"   state {C.gb(tm['state_bytes'])}; {args.gpu_train_after} training steps alone: {ta:.3f} s "
@@ -534,14 +536,7 @@ def section_gpu(args: Any, base: Path) -> dict[str, Any]:
         print()
         print(C.align_table([["method", "save", "call s", "stall s", "total s", "train after s", "x alone",
                               "written MiB", "note"]] + rows))
-    try:
-        res["correctness"] = ck = gpu_correctness(args, base, device)
-    except Exception as e:
-        if DEBUG:
-            traceback.print_exc()
-        print(f"   correctness FAILED: {C.fmt_note(e)}")
-        res["correctness_error"] = C.fmt_note(e)
-        ck = None
+    ck = attempt("correctness", lambda: gpu_correctness(args, base, device))
     if ck is not None:
         yn = {True: "yes", False: "NO"}
         print()
