@@ -1,7 +1,15 @@
-"""Shared helpers for the by-hand benchmarks in this folder.
+"""Shared helpers for the by-hand benchmarks in this folder (harness.py runs and reports them):
 
-Nothing here imports ckptstore: the benchmarks must run (printing "n/a") while
-the package is still being written.
+* the GPT + AdamW state every single-process benchmark saves (``build_state``, ``SIZES``), its tensors,
+  fingerprints (CRC32) and the one-byte perturbation that makes an in-place load prove itself;
+* files: scratch folders, fsync, page-cache eviction, bytes on disk, the files a store left (``count_files``);
+* the anchors: raw O_DIRECT write / read (``raw_write`` / ``raw_read``: the disk's limit), ``torch.save`` +
+  fsync (``torch_save_fsync``), DCP's ``AppState``;
+* memory: RSS, the VmHWM reset and ``PeakRSS`` (peak above a baseline), ``MALLOC_ENV`` for measured children;
+* moto: CPU seconds of the server and this process, a boto3 client;
+* formatting: bytes, notes, the plain-text table.
+
+Nothing here imports ckptstore: the benchmarks must run (printing "n/a") while the package is still being written.
 """
 
 from __future__ import annotations
@@ -193,13 +201,6 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def fsync_tree(path: Path) -> None:
-    for root, dirs, files in os.walk(path):
-        for n in files:
-            fsync_path(Path(root) / n)
-        fsync_path(Path(root))
 
 
 def evict(path: Path) -> None:
