@@ -9,7 +9,7 @@ memory, stall, ...). A contender whose one run yields several rows (a save, then
 records them itself through ``results.timed(row)`` / ``results.add(row, ...)``.
 
 :meth:`Results.table` prints medians, min-max, ratios against named anchor rows and any metric columns, as
-one plain-text table; :meth:`Results.write_json` writes every sample with the medians and ratios. A failing
+one plain-text table; :func:`write_json` writes every sample with the medians and ratios (``--json``). A failing
 run is a table entry (``n/a: <error>``), not the end of the benchmark (``BENCH_DEBUG=1`` prints the
 traceback). :func:`parser` gives every benchmark the same ``--repeat``, ``--json``, ``--dir``, ``--seed``
 (and, where it has them, ``--size``, ``--no-verify``) flags.
@@ -18,7 +18,8 @@ Multi-rank benchmarks launch their ranks with :func:`launch` (tests/dist.py's ``
 gloo on 127.0.0.1) and write their rank side as ``rank_main(fn)``; the ranks alternate their contenders with
 :func:`alternated` and the driver folds the slowest rank of each repeat into a row with :func:`fold`.
 
-Nothing here imports ckptstore: a benchmark whose ckptstore API is missing prints ``n/a`` for those rows.
+Nothing here imports ckptstore but :func:`environment` (for the banner and the JSON), so a benchmark can set
+its ``CKPTSTORE_*`` variables first; a benchmark whose ckptstore API is missing prints ``n/a`` for those rows.
 """
 from __future__ import annotations
 
@@ -241,7 +242,8 @@ class Results:
             xs = r.values(key)
             out.append(dict(name=name, group=r.group, median=r.median(key), min=min(xs) if xs else None,
                             max=max(xs) if xs else None, note=r.note, samples=r.samples,
-                            **{h.replace(" ", "_"): self.ratio(name, a, key) for h, a in (ratios or {}).items()}))
+                            **{h.replace(" ", "_"): self.ratio(name, a, key)
+                               for h, a in (self.ratios if ratios is None else ratios).items()}))
         return out
 
 
@@ -288,7 +290,8 @@ def alternated(items: Sequence[Any], repeat: int) -> Iterator[tuple[int, Any]]:
 
 
 def failed(res: Results, c: Contender, rep: int, e: BaseException) -> None:
-    """A run of ``c`` raised: its rows not measured in this repeat are n/a (the others keep their sample)."""
+    """A run of ``c`` raised: its rows with fewer samples than repeats run are n/a (the others keep their
+    sample; a row takes one sample a repeat); when every row was measured, the last one's note says so."""
     rows = list(c.rows or (c.name,))
     missing = [r for r in rows if len(res.row(r).samples) <= rep]
     if missing:
