@@ -121,22 +121,12 @@ def local_tensors(model, optim) -> list:
 
 def full_crcs(app) -> Dict[str, list]:
     """Key -> [nbytes, crc32] of every full (unsharded) tensor: a collective (full_tensor per entry)."""
-    import torch
     from torch.distributed.tensor import DTensor
     out: Dict[str, list] = {}
-
-    def walk(prefix, obj):
-        if isinstance(obj, dict):
-            for k in sorted(obj, key=str):
-                walk(f"{prefix}/{k}", obj[k])
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                walk(f"{prefix}/{i}", v)
-        elif torch.is_tensor(obj):
-            t = obj.full_tensor() if isinstance(obj, DTensor) else obj
-            if t.numel() > 1:
-                out[prefix] = [C.nbytes(t), C.crc(t)]
-    walk("", app.state_dict())
+    for key, t in C.tree_items(app.state_dict()):
+        t = t.full_tensor() if isinstance(t, DTensor) else t
+        if t.numel() > 1:
+            out[key] = [C.nbytes(t), C.crc(t)]
     return out
 
 

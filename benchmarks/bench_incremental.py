@@ -120,26 +120,13 @@ def live_tree(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, A
     return {"model": model.state_dict(), "optimizer": opt.state_dict()}
 
 
-def walk(obj: Any, path: tuple = ()) -> Iterator[tuple[str, torch.Tensor]]:
-    """(key path, tensor) for every tensor of a nested dict/list/tuple; keys compared as strings so
-    a live state dict and a loaded one line up."""
-    if torch.is_tensor(obj):
-        yield "/".join(map(str, path)), obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from walk(v, path + (k,))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from walk(v, path + (i,))
-
-
 def crc_map(tree: Any) -> dict[str, tuple[str, tuple, int]]:
-    return {p: (str(t.dtype), tuple(t.shape), C.crc(t.detach().cpu())) for p, t in walk(tree)}
+    return {p: (str(t.dtype), tuple(t.shape), C.crc(t.detach().cpu())) for p, t in C.tree_items(tree)}
 
 
 def cpu_copy(tree: Any) -> dict[str, torch.Tensor]:
     """path -> a CPU copy of every tensor (synchronous: waits for the work queued on the device)."""
-    return {p: t.detach().to("cpu", copy=True) for p, t in walk(tree)}
+    return {p: t.detach().to("cpu", copy=True) for p, t in C.tree_items(tree)}
 
 
 def bitwise_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
@@ -330,7 +317,7 @@ def gpu_timings(args, base: Path, device: torch.device) -> dict[str, Any]:
     model, opt = build_training(args.size, False, device, args.seed)
     gpu_train(model, opt, 1, 2, args, device)                    # warm-up: kernels, AdamW state
     alone = [gpu_train(model, opt, 3 + i * n_after, n_after, args, device) for i in range(3)]
-    state_bytes = sum(C.nbytes(t) for _, t in walk(live_tree(model, opt)))
+    state_bytes = sum(C.nbytes(t) for _, t in C.tree_items(live_tree(model, opt)))
     train_alone = statistics.median(alone)
     del model, opt
     gc.collect()
@@ -450,7 +437,7 @@ def gpu_correctness(args, base: Path, device: torch.device) -> dict[str, Any]:
             for i in range(M):
                 train_step(model, opt, 101 + i, args.gpu_batch, args.gpu_seq, device)
             h.result()
-            return cpu_copy(live_tree(model, opt)), dict(walk(store.load(step, map_location="cpu")))
+            return cpu_copy(live_tree(model, opt)), dict(C.tree_items(store.load(step, map_location="cpu")))
 
         try:
             # controls

@@ -140,15 +140,21 @@ def fingerprint(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
     return sorted((nbytes(t), crc(t)) for t in tensors if t.numel() > 1)
 
 
-def tree_tensors(obj: Any) -> Iterator[torch.Tensor]:
+def tree_items(obj: Any, path: tuple = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key path "a/b/0", tensor) for every tensor of a nested dict/list/tuple; keys as strings, so a live
+    state dict and a loaded one line up."""
     if torch.is_tensor(obj):
-        yield obj
+        yield "/".join(map(str, path)), obj
     elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from tree_tensors(v)
+        for k, v in obj.items():
+            yield from tree_items(v, path + (k,))
     elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from tree_tensors(v)
+        for i, v in enumerate(obj):
+            yield from tree_items(v, path + (i,))
+
+
+def tree_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    return (t for _, t in tree_items(obj))
 
 
 @contextlib.contextmanager
