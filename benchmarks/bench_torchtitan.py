@@ -101,9 +101,8 @@ def worker(args, rank: int, world: int) -> dict:
             x = torch.randint(0, vocab, (seq + 1,), generator=g)
             return x[:-1], x[1:]
 
-    class TrainState:
-        def __init__(self):
-            self.step = 0
+    class TrainState:                                   # torchtitan's train state: a Stateful step counter
+        step = 0
 
         def state_dict(self):
             return {"step": self.step}
