@@ -18,16 +18,14 @@ sizes are exact.
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import resource
 import sys
 import time
 import tracemalloc
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import harness as H  # noqa: E402  (puts the checkout and tests/ on sys.path)
 
 
 def rank0_only(n: int, shape: str) -> dict:
@@ -74,13 +72,17 @@ def rank0_only(n: int, shape: str) -> dict:
                 map_B=len(root["1/shards"]), marker_B=len(root["1/COMMIT"]))
 
 
+COLUMNS = [("all ranks s", "all_done_s"), ("rank sends / receives B", None), ("rank 0 gathers B", "rank0_gathered_B"),
+           ("rank 0 peak alloc MB", "peak_alloc_MB"), ("largest value B", "largest_value_B"), ("keys left", "keys_left"),
+           ("shard map B", "map_B"), ("commit marker B", "marker_B")]
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = H.parser(__doc__.splitlines()[0], repeat=None, scratch=False, seed=False)
     ap.add_argument("--n", type=int, nargs="+", default=[64, 256, 1024, 4096, 10000])
     ap.add_argument("--shape", default="7b", choices=["7b", "70b", "tiny"])
     ap.add_argument("--roots", type=int, default=0, help="ranks per node-local root (0: one shared root)")
     ap.add_argument("--saves", type=int, default=2, help="saves per N (the figures are the last one's)")
-    ap.add_argument("--json", help="write the rows here too")
     ap.add_argument("--rank0-only", type=int, nargs="*", default=[],
                     help="also these N, rank 0's side alone (past the machine's socket limit)")
     a = ap.parse_args()
@@ -93,7 +95,7 @@ def main() -> None:
     threading.stack_size(512 << 10)
     from simranks import SimJob, summary
 
-    rows = []
+    res, rows = H.Results(), []
     for n in a.n:
         t = time.perf_counter()
         # past ~9,000 ranks the two sockets per rank pass a 20,000-file limit: the server then runs in a child
@@ -122,10 +124,19 @@ def main() -> None:
         finally:
             job.close()
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        res.add(f"{n}", row["rank0_s"], **row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
     for n in a.rank0_only:
         row = rank0_only(n, a.shape)
-        print(json.dumps(row), flush=True)
+        res.add(f"{n} (rank 0 alone)", row["rank0_s"], **row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+
+    def cell(key):
+        return lambda r: "-" if r.samples[-1].get(key) is None else f"{r.samples[-1][key]:,}"
+    cols = [(h, cell(k) if k else lambda r: f"{r.samples[-1].get('tx_other_B', '-')} / {r.samples[-1].get('rx_other_B', '-')}")
+            for h, k in COLUMNS]
+    print(f"\nshape {a.shape}, {a.saves} saves per N (the last one's figures); {H.banner()}")
+    print(res.table(head="N", unit="s (rank 0)", columns=cols))
     print("\ngrowth from one N to the next (ratio of N in brackets):")
     for prev, cur in zip(rows, rows[1:]):
         f = cur["n"] / prev["n"]
@@ -133,8 +144,7 @@ def main() -> None:
                                                    "rank0_gathered_B", "peak_alloc_MB", "map_B", "marker_B")
              if prev[k]}
         print(f"  {prev['n']} -> {cur['n']} [{f:.1f}x]: {g}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=1))
+    H.write_json(a.json, a, rows=res.to_json())
 
 
 if __name__ == "__main__":

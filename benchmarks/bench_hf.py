@@ -15,11 +15,12 @@ AdamW moments) trains ``--steps`` steps on CPU saving after every step (``save_s
 
 ``save_total_limit=1`` for both, so the disk holds about two checkpoints at a time. Run by hand:
 
-    PYTHONPATH=. python benchmarks/bench_hf.py [--steps 10] [--layers 3] [--dir /path/on/disk]
+    PYTHONPATH=. python benchmarks/bench_hf.py [--steps 10] [--layers 3] [--dir /path/on/disk] [--repeat 2]
+
+The modes are harness contenders, alternated over ``--repeat`` rounds after one warm-up run without saves.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -31,15 +32,14 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import harness as H  # noqa: E402  (puts the checkout on sys.path)
 import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from ckptstore.integrations.transformers import CkptstoreTrainer  # noqa: E402
 
 SEQ = 64
+MODES = ("nosave", "hf", "ckptstore", "ckptstore-nonblocking")
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -105,12 +105,14 @@ def run(mode: str, a, work: Path) -> dict:
             copies.append(r.stall_seconds)
         trainer.store.close()
     shutil.rmtree(out, ignore_errors=True)
-    return {"mode": mode, "wall": wall, "stalls": stalls, "syncs": syncs, "written": sum(written),
-            "params": n_params, "copies": copies}
+    return {"seconds": wall, "save": statistics.median(stalls) if stalls else None,
+            "save_mean": statistics.mean(stalls) if stalls else None, "stalls": stalls,
+            "sync": statistics.median(syncs) if syncs else None, "written": sum(written), "params": n_params,
+            "copy": statistics.median(copies) if copies else None}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = H.parser(__doc__, repeat=1, scratch=False, seed=False)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--width", type=int, default=768)
@@ -120,27 +122,24 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench_hf_", dir=a.dir))
     try:
         run("nosave", a, work)                      # warm-up: first-call costs (allocator, lazy imports)
-        res = {m: run(m, a, work) for m in ("nosave", "hf", "ckptstore", "ckptstore-nonblocking")}
+        res = H.compare([H.Contender(m, lambda m=m: run(m, a, work)) for m in MODES], a.repeat)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    n = res["hf"]["params"]
-    print(f"GPT-2 {a.layers} layers x {a.width}, vocab {a.vocab}: {n / 1e6:.1f} M params, "
-          f"{n * 12 / 1e9:.2f} GB model + AdamW state; {a.steps} steps, a save after each; torch "
-          f"{torch.__version__}, {os.cpu_count()} CPUs")
-    base = res["nosave"]["wall"]
-    hf_med = statistics.median(res["hf"]["stalls"])
+    n = res.rows["hf"].samples[0]["params"]
+    print(f"\nGPT-2 {a.layers} layers x {a.width}, vocab {a.vocab}: {n / 1e6:.1f} M params, "
+          f"{n * 12 / 1e9:.2f} GB model + AdamW state; {a.steps} steps, a save after each; {H.banner()}")
     print("save s: median time _save_checkpoint kept training waiting; copy s: ckptstore's own stall_seconds (for "
-          "a non-blocking save the copy into staging memory; save s adds the wait for the previous save)")
-    print(f"{'mode':<24}{'save s (median)':>16}{'+sync s':>9}{'mean s':>8}{'vs HF':>7}{'copy s':>8}"
-          f"{'run wall s':>12}{'vs no save':>11}{'written GB':>12}")
-    print(f"{'no saves':<24}{'':>16}{'':>9}{'':>8}{'':>7}{'':>8}{base:>12.2f}{1.0:>11.2f}{0:>12.2f}")
-    for m in ("hf", "ckptstore", "ckptstore-nonblocking"):
-        r = res[m]
-        med = statistics.median(r["stalls"])
-        sync = f"{statistics.median(r['syncs']):.2f}" if r["syncs"] else "-"
-        copy = f"{statistics.median(r['copies']):.3f}" if r["copies"] else "-"
-        print(f"{m:<24}{med:>16.3f}{sync:>9}{statistics.mean(r['stalls']):>8.3f}{med / hf_med:>7.2f}{copy:>8}"
-              f"{r['wall']:>12.2f}{r['wall'] / base:>11.2f}{r['written'] / 1e9:>12.2f}")
+          "a non-blocking save the copy into staging memory; save s adds the wait for the previous save); +sync s: "
+          "os.sync() after HF's save (its files are not fsynced)")
+
+    def opt(key, fmt):
+        return lambda r: fmt.format(r.median(key)) if r.values(key) else "-"
+    print(res.table(head="mode", key="save", unit="save s", ratios={"vs HF": lambda r: "hf" if r.name != "nosave" else None},
+                    columns=[("+sync s", opt("sync", "{:.2f}")), ("mean s", opt("save_mean", "{:.3f}")),
+                             ("copy s", opt("copy", "{:.3f}")), ("run wall s", opt("seconds", "{:.2f}")),
+                             ("vs no save", lambda r: f"{r.median() / res.rows['nosave'].median():.2f}"),
+                             ("written GB", lambda r: f"{r.median('written') / 1e9:.2f}")]))
+    H.write_json(a.json, a, rows=res.to_json(key="save"))
 
 
 if __name__ == "__main__":

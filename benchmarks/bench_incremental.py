@@ -1,25 +1,25 @@
 #!/usr/bin/env python
 """Incremental saves while training: what a step really writes, and what a save costs the loop.
 
-Section 1 (fine-tuning, CPU by default): a GPT-like model whose token embedding and lower half of
-the blocks are frozen (requires_grad=False, not in the optimizer) is trained for --steps real
-AdamW steps, saving after each step into one store. Runs: blocking / non-blocking, with
-track_versions on / off, and the same with nothing frozen. Per step: bytes total / written /
-unchanged, written/total, save seconds, stall. Every saved step is loaded back and compared
-(CRC32 of every tensor, bit for bit) with the state at save time.
+Section 1 (fine-tuning, CPU by default): a GPT-like model whose token embedding and lower half of the blocks
+are frozen (requires_grad=False, not in the optimizer) is trained for --steps real AdamW steps, saving after
+each step into one store. Contenders (--runs, alternated over --repeat): blocking / non-blocking, with
+track_versions on / off, and the same with nothing frozen. Per step: bytes total / written / unchanged,
+written/total, save seconds, stall. Every saved step is loaded back and compared (CRC32 of every tensor, bit
+for bit) with the state at save time.
+
+Section 2 (GPU only; prints "skipped: no CUDA" otherwise): model + AdamW state on the GPU. Stall and wall
+time of the save call for Store.save(blocking=False), Store.save(blocking=True) and torch.save of the state
+moved to CPU, the time of the training steps right after the save, and correctness: the saved step equals
+(bitwise) a copy taken at save time, and training right after a non-blocking save ends bit-identical to the
+same training without a save.
 
 Section 3 (--sections pull): remote resume of the newest step after --steps fine-tune steps (the frozen run)
 uploaded to a moto S3 server on 127.0.0.1 with keep_last=2 there: the newest step reads the frozen tensors
 from the packs of step 1, most of which retention has made dead. Ranged pull (ckptstore.transfer's
-RANGED_PULL_THRESHOLD = 0.5, the default) against whole-pack pull (threshold 0), alternating, same run: bytes
-fetched from S3, ranged GETs, packs whole / by range, resume seconds, local pack bytes on disk; every resume
-is compared (CRC32 of every tensor) with the state at the last save.
-
-Section 2 (GPU only; prints "skipped: no CUDA" otherwise): model + AdamW state on the GPU. Stall
-and wall time of the save call for Store.save(blocking=False), Store.save(blocking=True) and
-torch.save of the state moved to CPU, the time of the training steps right after the save, and
-correctness: the saved step equals (bitwise) a copy taken at save time, and training right after
-a non-blocking save ends bit-identical to the same training without a save.
+RANGED_PULL_THRESHOLD = 0.5, the default) against whole-pack pull (threshold 0), alternated --pull-repeat
+times: bytes fetched from S3, ranged GETs, packs whole / by range, resume seconds, local pack bytes on disk;
+every resume is compared (CRC32 of every tensor) with the state at the last save.
 
     python benchmarks/bench_incremental.py --size small --steps 3     # quick, ~1 min on 2 cores
     python benchmarks/bench_incremental.py --sections gpu --size 3gb --json inc_gpu.json
@@ -27,15 +27,11 @@ a non-blocking save ends bit-identical to the same training without a save.
 
 See benchmarks/README.md ("bench_incremental.py").
 """
-
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -48,18 +44,14 @@ from typing import Any, Iterator
 # It has no effect without CUDA, and only the GPU correctness check relies on it.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # ckptstore from the checkout
-
+import harness as H  # noqa: E402  (puts the checkout on sys.path)
+import common as C  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-import common as C  # noqa: E402
 from ckptstore import Remote, Retention, Store, Writing  # noqa: E402
 
-warnings.filterwarnings("ignore", message=r".*torch\.distributed is disabled.*")
-
-DEBUG = bool(os.environ.get("BENCH_DEBUG"))
+C.quiet_dcp()
+DEBUG = H.DEBUG
 
 # --------------------------------------------------------------------------- model / training
 
@@ -128,26 +120,13 @@ def live_tree(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, A
     return {"model": model.state_dict(), "optimizer": opt.state_dict()}
 
 
-def walk(obj: Any, path: tuple = ()) -> Iterator[tuple[str, torch.Tensor]]:
-    """(key path, tensor) for every tensor of a nested dict/list/tuple; keys compared as strings so
-    a live state dict and a loaded one line up."""
-    if torch.is_tensor(obj):
-        yield "/".join(map(str, path)), obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from walk(v, path + (k,))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from walk(v, path + (i,))
-
-
 def crc_map(tree: Any) -> dict[str, tuple[str, tuple, int]]:
-    return {p: (str(t.dtype), tuple(t.shape), C.crc(t.detach().cpu())) for p, t in walk(tree)}
+    return {p: (str(t.dtype), tuple(t.shape), C.crc(t.detach().cpu())) for p, t in C.tree_items(tree)}
 
 
 def cpu_copy(tree: Any) -> dict[str, torch.Tensor]:
     """path -> a CPU copy of every tensor (synchronous: waits for the work queued on the device)."""
-    return {p: t.detach().to("cpu", copy=True) for p, t in walk(tree)}
+    return {p: t.detach().to("cpu", copy=True) for p, t in C.tree_items(tree)}
 
 
 def bitwise_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
@@ -168,32 +147,12 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return m
 
 
-# --------------------------------------------------------------------------- table
-
-
-def table(head: list[str], rows: list[list[Any]], left: int = 1, note_col: bool = False) -> str:
-    """Plain-text table; the first `left` columns (and the last one if note_col) are left-aligned,
-    the others right-aligned."""
-    lines = [head] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(l[i]) for l in lines) for i in range(len(head))]
-    out = []
-    for i, l in enumerate(lines):
-        out.append("  ".join(c.ljust(w) if j < left or (note_col and j == len(head) - 1) else c.rjust(w)
-                             for j, (c, w) in enumerate(zip(l, widths))).rstrip())
-        if i == 0:
-            out.append("-" * len(out[0]))
-    return "\n".join(out)
-
-
-def mib(n: float | None) -> str:
-    return "n/a" if n is None else f"{n / C.MiB:,.1f}"
-
-
 def sec(x: float | None, nd: int = 3) -> str:
     return "n/a" if x is None else f"{x:.{nd}f}"
 
 
 def mean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
     return statistics.fmean(xs) if xs else None
 
 
@@ -210,73 +169,59 @@ RUNS: dict[str, tuple[bool, bool, bool]] = {
 }
 
 
-def run_finetune(name: str, args: argparse.Namespace, base: Path, device: torch.device) -> dict[str, Any]:
+def finetune(name: str, args, base: Path, device: torch.device, info: dict) -> H.Contender:
+    """One run: --steps training steps, a save after each into one fresh store; a sample of row ``name`` per
+    step (the SaveResult fields, the call's wall time, the training step's), each step verified at the end."""
     frozen, track, blocking = RUNS[name]
-    model, opt = build_training(args.size, frozen, device, args.seed)
-    n_params, n_frozen = param_counts(model)
-    state = {"model": model, "optimizer": opt}
-    root = C.fresh_dir(base, "incr_")
-    store = Store(str(root), writing=Writing(track_versions=track))
-    steps: list[dict[str, Any]] = []
-    outs: list[Any] = []
-    expected: dict[int, dict] = {}
-    try:
-        gc.collect()
-        t_run = time.perf_counter()
-        for step in range(1, args.steps + 1):
-            t0 = time.perf_counter()
-            train_step(model, opt, step, args.batch, args.seq, device)
-            sync(device)
-            train_s = time.perf_counter() - t0
-            if args.verify:  # outside the timings; the state does not change until the next step
-                expected[step] = crc_map(live_tree(model, opt))
-            t0 = time.perf_counter()
-            out = store.save(state, step, blocking=blocking)
-            call_s = time.perf_counter() - t0
-            steps.append({"run": name, "step": step, "train_s": train_s, "call_s": call_s})
-            outs.append(out)
-        results = [o if blocking else o.result() for o in outs]
-        store.wait()
-        run_s = time.perf_counter() - t_run
-        for row, r in zip(steps, results):
-            row.update(bytes_total=r.bytes_total, bytes_written=r.bytes_written,
-                       bytes_unchanged=r.bytes_unchanged, blobs_total=r.blobs_total, blobs_new=r.blobs_new,
-                       ratio=r.bytes_written / r.bytes_total if r.bytes_total else None,
-                       seconds=r.seconds, stall_s=r.stall_seconds,
-                       hash_cpu_s=r.phases.get("hash_cpu"), write_io_s=r.phases.get("write_io"))
-        disk = C.disk_bytes(root)
-        for row in steps:
-            if not args.verify:
-                row["verified"] = None
-                continue
-            got = crc_map(store.load(row["step"], map_location="cpu"))
-            want = expected[row["step"]]
-            bad = sorted(p for p in set(got) | set(want) if got.get(p) != want.get(p))
-            row["verified"] = not bad
-            if bad:
-                row["verify_bad"] = bad[:5]
-    finally:
-        with contextlib.suppress(Exception):
-            store.close()
-        if not args.keep:
-            C.rmtree(root)
-    return {"run": name, "frozen": frozen, "track_versions": track, "blocking": blocking,
-            "params": n_params, "params_frozen": n_frozen, "steps": steps, "run_s": run_s,
-            "store_disk_bytes": disk}
+
+    def run(res: H.Results, root: Path) -> None:
+        model, opt = build_training(args.size, frozen, device, args.seed)
+        state, outs, expected = {"model": model, "optimizer": opt}, [], {}
+        with Store(str(root), writing=Writing(track_versions=track)) as store:
+            gc.collect()
+            t_run = time.perf_counter()
+            for step in range(1, args.steps + 1):
+                t0 = time.perf_counter()
+                train_step(model, opt, step, args.batch, args.seq, device)
+                sync(device)
+                train_s = time.perf_counter() - t0
+                if args.verify:  # outside the timings; the state does not change until the next step
+                    expected[step] = crc_map(live_tree(model, opt))
+                t0 = time.perf_counter()
+                outs.append((step, train_s, store.save(state, step, blocking=blocking), time.perf_counter() - t0))
+            results = [(step, train_s, o if blocking else o.result(), call_s) for step, train_s, o, call_s in outs]
+            store.wait()
+            run_s = time.perf_counter() - t_run
+            for step, train_s, r, call_s in results:
+                bad = None
+                if args.verify:
+                    got, want = crc_map(store.load(step, map_location="cpu")), expected[step]
+                    bad = sorted(p for p in set(got) | set(want) if got.get(p) != want.get(p))
+                    res.check(name, not bad)
+                res.add(name, r.seconds, rep=res.rep, step=step, train_s=train_s, call_s=call_s,
+                        bytes_total=r.bytes_total, bytes_written=r.bytes_written, bytes_unchanged=r.bytes_unchanged,
+                        blobs_total=r.blobs_total, blobs_new=r.blobs_new, stall_s=r.stall_seconds,
+                        ratio=r.bytes_written / r.bytes_total if r.bytes_total else None,
+                        hash_cpu_s=r.phases.get("hash_cpu"), write_io_s=r.phases.get("write_io"),
+                        verified=None if bad is None else not bad, verify_bad=(bad or [])[:5])
+        n_params, n_frozen = param_counts(model)
+        info.setdefault(name, []).append(dict(params=n_params, params_frozen=n_frozen, run_s=run_s,
+                                              store_disk_bytes=C.disk_bytes(root)))
+        print(f"   {name}: params {n_params / 1e6:.1f} M, frozen {n_frozen / 1e6:.1f} M", file=sys.stderr)
+    return H.Contender(name, run, records=True, setup=lambda: C.fresh_dir(base, "incr_"),
+                       teardown=None if args.keep else C.rmtree)
 
 
-def section_finetune(args: argparse.Namespace, base: Path) -> dict[str, Any]:
+def section_finetune(args, base: Path) -> dict[str, Any]:
     device = torch.device(args.finetune_device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("section 1: --finetune-device cuda but no CUDA: using cpu")
         device = torch.device("cpu")
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
-    for r in runs:
-        if r not in RUNS:
-            raise SystemExit(f"unknown run {r!r}; choose from {','.join(RUNS)}")
     cfg = C.SIZES[args.size]
     print(f"== section 1: fine-tuning, size {args.size} ({cfg['d_model']} x {cfg['n_layers']}, vocab "
-          f"{cfg['vocab']}), {args.steps} steps, batch {args.batch} x {args.seq} tokens, on {device}")
+          f"{cfg['vocab']}), {args.steps} steps, batch {args.batch} x {args.seq} tokens, on {device}, "
+          f"{args.repeat} repeat(s)")
     print(f"   frozen: wte + blocks 0..{cfg['n_layers'] // 2 - 1} (requires_grad=False, not in AdamW); "
           f"store under {base}")
     # warm-up (first-call kernel/allocator costs), so the first run is not penalised
@@ -285,79 +230,54 @@ def section_finetune(args: argparse.Namespace, base: Path) -> dict[str, Any]:
     sync(device)
     del wm, wo
     gc.collect()
-    out: list[dict[str, Any]] = []
-    for name in runs:
-        t0 = time.perf_counter()
-        try:
-            res = run_finetune(name, args, base, device)
-        except Exception as e:  # keep the other runs
-            if DEBUG:
-                traceback.print_exc()
-            print(f"   {name}: FAILED {C.fmt_note(e)}")
-            out.append({"run": name, "error": C.fmt_note(e), "steps": []})
-            continue
-        print(f"   {name}: {time.perf_counter() - t0:.1f} s (params {res['params'] / 1e6:.1f} M, "
-              f"frozen {res['params_frozen'] / 1e6:.1f} M)")
-        out.append(res)
-        gc.collect()
+    info: dict[str, list] = {}
+    res = H.compare([finetune(n, args, base, device, info) for n in runs], args.repeat)
 
-    head = ["run", "step", "total MiB", "written MiB", "unchanged MiB", "written/total", "new blobs",
-            "save s", "stall s", "call s", "hash cpu s", "train s", "verify"]
-    rows = []
-    for res in out:
-        for s in res["steps"]:
-            rows.append([res["run"], s["step"], mib(s["bytes_total"]), mib(s["bytes_written"]),
-                         mib(s["bytes_unchanged"]), sec(s["ratio"], 3),
+    rows = [["run", "step", "total MiB", "written MiB", "unchanged MiB", "written/total", "new blobs", "save s",
+             "stall s", "call s", "hash cpu s", "train s", "verify"]]
+    for name, r in res.rows.items():
+        for s in r.samples:
+            rows.append([name if args.repeat == 1 else f"{name} #{s['rep'] + 1}", s["step"], C.mib(s["bytes_total"]),
+                         C.mib(s["bytes_written"]), C.mib(s["bytes_unchanged"]), sec(s["ratio"]),
                          f"{s['blobs_new']}/{s['blobs_total']}", sec(s["seconds"]), sec(s["stall_s"]),
                          sec(s["call_s"]), sec(s["hash_cpu_s"]), sec(s["train_s"]),
                          {True: "ok", False: "WRONG", None: "-"}[s["verified"]]])
-    print()
-    print(table(head, rows))
+        if not r.samples:
+            rows.append([name] + [""] * 11 + [r.note])
+    print("\n" + C.align_table(rows))
 
     # steady state: steps 2..K (step 1 writes everything into the empty store)
-    summ = []
-    by = {r["run"]: r for r in out if r.get("steps")}
-    for res in out:
-        st = [s for s in res["steps"] if s["step"] >= 2] or res["steps"]
-        if not st:
-            summ.append([res["run"]] + ["n/a"] * 11 + [res.get("error", "")])
-            continue
-        frozen, track, blocking = RUNS[res["run"]]
-        summ.append([
-            res["run"], "yes" if frozen else "no", "on" if track else "off", "yes" if blocking else "no",
-            mib(mean([s["bytes_total"] for s in st])), mib(mean([s["bytes_written"] for s in st])),
-            mib(mean([s["bytes_unchanged"] for s in st])), sec(mean([s["ratio"] for s in st]), 3),
-            sec(mean([s["seconds"] for s in st])), sec(mean([s["stall_s"] for s in st])),
-            sec(mean([s["call_s"] for s in st])), sec(res["run_s"], 2), mib(res["store_disk_bytes"]),
-        ])
-    print()
-    print(f"Steady state: mean over steps 2..{args.steps} (step 1 fills the empty store)")
-    print(table(["run", "frozen", "track", "blocking", "total MiB", "written MiB", "unchanged MiB",
-                 "written/total", "save s", "stall s", "call s", "run s", "store MiB"], summ))
-
     def steady(run: str, key: str) -> float | None:
-        r = by.get(run)
-        if not r:
-            return None
-        return mean([s[key] for s in r["steps"] if s["step"] >= 2] or [s[key] for s in r["steps"]])
+        ss = res.rows[run].samples if run in res.rows else []
+        return mean([s[key] for s in ss if s["step"] >= 2] or [s[key] for s in ss])
 
+    summ = [["run", "frozen", "track", "blocking", "total MiB", "written MiB", "unchanged MiB", "written/total",
+             "save s", "stall s", "call s", "run s", "store MiB"]]
+    for name in runs:
+        frozen, track, blocking = RUNS[name]
+        if not res.rows[name].samples:
+            summ.append([name] + ["n/a"] * 11 + [res.rows[name].note])
+            continue
+        summ.append([name, "yes" if frozen else "no", "on" if track else "off", "yes" if blocking else "no",
+                     C.mib(steady(name, "bytes_total")), C.mib(steady(name, "bytes_written")),
+                     C.mib(steady(name, "bytes_unchanged")), sec(steady(name, "ratio")), sec(steady(name, "seconds")),
+                     sec(steady(name, "stall_s")), sec(steady(name, "call_s")),
+                     sec(mean([i["run_s"] for i in info[name]]), 2), C.mib(info[name][-1]["store_disk_bytes"])])
+    print(f"\nSteady state: mean over steps 2..{args.steps} (step 1 fills the empty store)\n" + C.align_table(summ))
     notes = []
     for a, b, what in (("frozen_notv", "frozen", "save s"), ("frozen_notv_nb", "frozen_nb", "stall s")):
         key = "seconds" if what == "save s" else "stall_s"
-        x, y = steady(a, key), steady(b, key)
-        hx, hy = steady(a, "hash_cpu_s"), steady(b, "hash_cpu_s")
-        if x is not None and y:
+        if a in runs and b in runs and steady(a, key) is not None and steady(b, key):
+            x, y, hx, hy = steady(a, key), steady(b, key), steady(a, "hash_cpu_s"), steady(b, "hash_cpu_s")
             notes.append(f"{a} vs {b}: {what} {x:.3f} vs {y:.3f} ({x - y:+.3f} s per save, x{x / y:.2f}); "
                          f"hash cpu {hx:.3f} vs {hy:.3f} s ({hx - hy:+.3f})")
     for a, b in (("full", "frozen"), ("full_nb", "frozen_nb")):
-        x, y = steady(a, "bytes_written"), steady(b, "bytes_written")
-        if x and y is not None:
-            notes.append(f"{b}: writes {y / x:.2f} of what {a} writes per step "
-                         f"({mib(y)} vs {mib(x)} MiB)")
+        if a in runs and b in runs and steady(a, "bytes_written") and steady(b, "bytes_written") is not None:
+            x, y = steady(a, "bytes_written"), steady(b, "bytes_written")
+            notes.append(f"{b}: writes {y / x:.2f} of what {a} writes per step ({C.mib(y)} vs {C.mib(x)} MiB)")
     if notes:
-        print()
-        print("\n".join(n for n in notes if n))
-    return {"device": str(device), "runs": out, "notes": notes}
+        print("\n" + "\n".join(notes))
+    return {"device": str(device), "runs": res.to_json(), "info": info, "notes": notes}
 
 
 # --------------------------------------------------------------------------- section 2
@@ -397,7 +317,7 @@ def gpu_timings(args, base: Path, device: torch.device) -> dict[str, Any]:
     model, opt = build_training(args.size, False, device, args.seed)
     gpu_train(model, opt, 1, 2, args, device)                    # warm-up: kernels, AdamW state
     alone = [gpu_train(model, opt, 3 + i * n_after, n_after, args, device) for i in range(3)]
-    state_bytes = sum(C.nbytes(t) for _, t in walk(live_tree(model, opt)))
+    state_bytes = sum(C.nbytes(t) for _, t in C.tree_items(live_tree(model, opt)))
     train_alone = statistics.median(alone)
     del model, opt
     gc.collect()
@@ -429,14 +349,9 @@ def gpu_timings(args, base: Path, device: torch.device) -> dict[str, Any]:
                 elif method == "torch_save":
                     cpu_state = tree_to_cpu(live_tree(model, opt))   # .to("cpu") waits for the GPU
                     d2h = time.perf_counter() - t0
-                    path = folder / f"step{j}.pt"
-                    with open(path, "wb") as fh:
-                        torch.save(cpu_state, fh)
-                        fh.flush()
-                        os.fsync(fh.fileno())
-                    C.fsync_path(folder)
+                    written = C.torch_save_fsync(cpu_state, folder / f"step{j}.pt")
                     row["call_s"] = row["stall_s"] = row["total_s"] = time.perf_counter() - t0
-                    row["d2h_s"], row["bytes_written"] = d2h, path.stat().st_size
+                    row["d2h_s"], row["bytes_written"] = d2h, written
                     del cpu_state
                 else:
                     raise ValueError(f"unknown --gpu-methods entry {method!r}")
@@ -516,6 +431,14 @@ def gpu_correctness(args, base: Path, device: torch.device) -> dict[str, Any]:
             opt.zero_grad(set_to_none=True)
             sync(device)
 
+        def save_then_train(step: int) -> tuple[dict, dict]:
+            """save(blocking=False), then M training steps right away with no sync; (end state, saved step)."""
+            h = store.save(state, step, blocking=False)
+            for i in range(M):
+                train_step(model, opt, 101 + i, args.gpu_batch, args.gpu_seq, device)
+            h.result()
+            return cpu_copy(live_tree(model, opt)), dict(C.tree_items(store.load(step, map_location="cpu")))
+
         try:
             # controls
             restore()
@@ -536,12 +459,7 @@ def gpu_correctness(args, base: Path, device: torch.device) -> dict[str, Any]:
             # sync: copy taken at save time, then save, then training with no sync in between
             restore()
             snap = cpu_copy(live_tree(model, opt))
-            h = store.save(state, 1, blocking=False)
-            for i in range(M):
-                train_step(model, opt, 101 + i, args.gpu_batch, args.gpu_seq, device)
-            h.result()
-            end = cpu_copy(live_tree(model, opt))
-            loaded = dict(walk(store.load(1, map_location="cpu")))
+            end, loaded = save_then_train(1)
             bad = bitwise_diff(snap, loaded)
             out["sync_saved_equals_copy"] = not bad
             out["sync_saved_bad"] = bad[:5]
@@ -551,12 +469,7 @@ def gpu_correctness(args, base: Path, device: torch.device) -> dict[str, Any]:
             # queued: save while the previous step's kernels are still in flight
             restore()
             train_step(model, opt, 100, args.gpu_batch, args.gpu_seq, device)
-            h = store.save(state, 2, blocking=False)
-            for i in range(M):
-                train_step(model, opt, 101 + i, args.gpu_batch, args.gpu_seq, device)
-            h.result()
-            end = cpu_copy(live_tree(model, opt))
-            loaded = dict(walk(store.load(2, map_location="cpu")))
+            end, loaded = save_then_train(2)
             bad = bitwise_diff(a_s1, loaded)
             out["queued_saved_equals_s1"] = not bad
             out["queued_saved_max_abs_diff"] = max_abs_diff(a_s1, loaded)
@@ -570,7 +483,7 @@ def gpu_correctness(args, base: Path, device: torch.device) -> dict[str, Any]:
     return out
 
 
-def section_gpu(args: argparse.Namespace, base: Path) -> dict[str, Any]:
+def section_gpu(args: Any, base: Path) -> dict[str, Any]:
     print(f"== section 2: GPU, size {args.size}")
     if not torch.cuda.is_available():
         print("skipped: no CUDA")
@@ -580,14 +493,18 @@ def section_gpu(args: argparse.Namespace, base: Path) -> dict[str, Any]:
     print(f"   {name}; batch {args.gpu_batch} x {args.gpu_seq} tokens; {args.gpu_saves} saves per method, "
           f"each followed by {args.gpu_train_after} training steps")
     res: dict[str, Any] = {"device": name}
-    try:
-        res["timings"] = tm = gpu_timings(args, base, device)
-    except Exception as e:
-        if DEBUG:
-            traceback.print_exc()
-        print(f"   timings FAILED: {C.fmt_note(e)}")
-        res["timings_error"] = C.fmt_note(e)
-        tm = None
+
+    def attempt(key: str, fn) -> Any:
+        """``res[key] = fn()``; a failure is printed and kept as ``res[key + "_error"]`` (the section goes on)."""
+        try:
+            res[key] = fn()
+            return res[key]
+        except Exception as e:
+            if DEBUG:
+                traceback.print_exc()
+            print(f"   {key} FAILED: {C.fmt_note(e)}")
+            res[f"{key}_error"] = C.fmt_note(e)
+    tm = attempt("timings", lambda: gpu_timings(args, base, device))
     if tm is not None:
         ta = tm["train_alone_s"]
         print(f"   state {C.gb(tm['state_bytes'])}; {args.gpu_train_after} training steps alone: {ta:.3f} s "
@@ -602,18 +519,11 @@ def section_gpu(args: argparse.Namespace, base: Path) -> dict[str, Any]:
                 note = f"save ran {r['background_after_train_s']:.3f} s past the steps"
             rows.append([r["method"], r["save"], sec(r["call_s"], 4), sec(r["stall_s"], 4), sec(r["total_s"]),
                          sec(r["train_after_s"]), f"{r['train_after_s'] / ta:.2f}" if ta else "n/a",
-                         mib(r.get("bytes_written")), note])
+                         C.mib(r.get("bytes_written")), note])
         print()
-        print(table(["method", "save", "call s", "stall s", "total s", "train after s", "x alone",
-                     "written MiB", "note"], rows, note_col=True))
-    try:
-        res["correctness"] = ck = gpu_correctness(args, base, device)
-    except Exception as e:
-        if DEBUG:
-            traceback.print_exc()
-        print(f"   correctness FAILED: {C.fmt_note(e)}")
-        res["correctness_error"] = C.fmt_note(e)
-        ck = None
+        print(C.align_table([["method", "save", "call s", "stall s", "total s", "train after s", "x alone",
+                              "written MiB", "note"]] + rows))
+    ck = attempt("correctness", lambda: gpu_correctness(args, base, device))
     if ck is not None:
         yn = {True: "yes", False: "NO"}
         print()
@@ -649,7 +559,7 @@ def remote_step_objects(storage, step: int) -> tuple[int, int]:
     return sum(storage.size(pack_path(p)) for p in packs), sum(blobs.values())
 
 
-def section_pull(args: argparse.Namespace, base: Path) -> dict[str, Any]:
+def section_pull(args, base: Path) -> dict[str, Any]:
     import ckptstore.transfer as transfer
     from backends.launcher import S3Server
     from ckptstore import Packing
@@ -658,10 +568,11 @@ def section_pull(args: argparse.Namespace, base: Path) -> dict[str, Any]:
     packing = Packing(threshold=threshold, target_size=max(threshold, Packing().target_size))
     print(f"== section 3: remote resume after {args.steps} fine-tune steps (frozen run, size {args.size}), "
           f"keep_last=2 on moto S3, chunks under {args.pull_pack_threshold:g} MiB packed; ranged vs whole-pack "
-          f"pull, {args.pull_repeat} each, alternating")
+          f"pull, {args.pull_repeat} each, alternated")
     run_dir = C.fresh_dir(base, "pull_")
     server = S3Server(workdir=run_dir / "moto").start()
-    out: dict[str, Any] = {"rows": []}
+    default = transfer.RANGED_PULL_THRESHOLD
+    out: dict[str, Any] = {}
     try:
         opts = server.storage_options()
         remote = f"{server.new_bucket_url('pull')}/ckpt"
@@ -673,57 +584,51 @@ def section_pull(args: argparse.Namespace, base: Path) -> dict[str, Any]:
                 store.save({"model": model, "optimizer": opt}, step)
             store.wait_for_uploads()
             packs_bytes, blobs_bytes = remote_step_objects(store.remote_storage, args.steps)
-            out.update(step_bytes=store.catalog.read_commit(args.steps).bytes_total)
+            out.update(step_bytes=store.catalog.read_commit(args.steps).bytes_total,
+                       referenced_pack_bytes=packs_bytes, blob_bytes=blobs_bytes)
         want = crc_map(live_tree(model, opt))
-        out.update(referenced_pack_bytes=packs_bytes, blob_bytes=blobs_bytes)
-        print(f"   newest step {args.steps}: {mib(out['step_bytes'])} MiB of state; it reads "
-              f"{mib(packs_bytes)} MiB of packs and {mib(blobs_bytes)} MiB of blobs on the remote")
-        default = transfer.RANGED_PULL_THRESHOLD
-        try:
-            for i in range(args.pull_repeat):
-                for mode in (("ranged", "whole") if i % 2 == 0 else ("whole", "ranged")):
-                    transfer.RANGED_PULL_THRESHOLD = default if mode == "ranged" else 0.0
-                    root = C.fresh_dir(run_dir, "resume_")
-                    m2, o2 = build_training(args.size, True, device, args.seed + 1)
-                    gc.collect()
-                    t0 = time.perf_counter()
-                    with Store(str(root), remote=Remote(remote, upload=False), storage_options=opts,
-                               writing=Writing(packing=packing)) as s:
-                        got = s.resume({"model": m2, "optimizer": o2})
-                        resume_s = time.perf_counter() - t0
-                        st = s.pulled[-1]
-                    packs_disk = sum(f.stat().st_size for f in (root / "packs").rglob("*.pack"))
-                    ok = got == args.steps and crc_map(live_tree(m2, o2)) == want
-                    out["rows"].append(dict(mode=mode, resume_s=resume_s, pull_s=st.seconds,
-                                            bytes_fetched=st.bytes_fetched, ranges=st.ranges_fetched,
-                                            packs_whole=st.packs_whole, packs_ranged=st.packs_ranged,
-                                            local_pack_bytes=packs_disk, ok=ok))
-                    C.rmtree(root)
-        finally:
-            transfer.RANGED_PULL_THRESHOLD = default
+        print(f"   newest step {args.steps}: {C.mib(out['step_bytes'])} MiB of state; it reads "
+              f"{C.mib(packs_bytes)} MiB of packs and {C.mib(blobs_bytes)} MiB of blobs on the remote")
+
+        def pull(mode: str, threshold: float) -> H.Contender:
+            def run(root: Path) -> dict[str, Any]:
+                transfer.RANGED_PULL_THRESHOLD = threshold
+                m2, o2 = build_training(args.size, True, device, args.seed + 1)
+                gc.collect()
+                t0 = time.perf_counter()
+                with Store(str(root), remote=Remote(remote, upload=False), storage_options=opts,
+                           writing=Writing(packing=packing)) as s:
+                    got = s.resume({"model": m2, "optimizer": o2})
+                    resume_s, st = time.perf_counter() - t0, s.pulled[-1]
+                ok = got == args.steps and crc_map(live_tree(m2, o2)) == want
+                return dict(seconds=resume_s, pull_s=st.seconds, bytes_fetched=st.bytes_fetched,
+                            ranges=st.ranges_fetched, packs_whole=st.packs_whole, packs_ranged=st.packs_ranged,
+                            local_pack_bytes=sum(f.stat().st_size for f in (root / "packs").rglob("*.pack")), ok=ok,
+                            note="" if ok else "WRONG DATA")
+            return H.Contender(mode, run, setup=lambda: C.fresh_dir(run_dir, "resume_"), teardown=C.rmtree)
+
+        res = H.compare([pull("ranged", default), pull("whole", 0.0)], args.pull_repeat)
     finally:
+        transfer.RANGED_PULL_THRESHOLD = default
         server.stop()
         if not args.keep:
             C.rmtree(run_dir)
-    rows = []
-    for mode in ("ranged", "whole"):
-        rs = [r for r in out["rows"] if r["mode"] == mode]
-        rows.append([mode, sec(statistics.median(r["resume_s"] for r in rs)),
-                     sec(statistics.median(r["pull_s"] for r in rs)), mib(rs[0]["bytes_fetched"]),
-                     rs[0]["ranges"], f"{rs[0]['packs_whole']}/{rs[0]['packs_ranged']}",
-                     mib(rs[0]["local_pack_bytes"]), "ok" if all(r["ok"] for r in rs) else "WRONG"])
-    print()
-    print(table(["pull", "resume s (median)", "pull s", "fetched MiB", "ranged GETs", "packs whole/ranged",
-                 "local packs MiB", "verify"], rows))
-    return out
+
+    def first(key, fmt=str):
+        return lambda r: fmt(r.samples[0][key])
+    print("\n" + res.table(head="pull", unit="s (resume)", columns=[
+        ("pull s", lambda r: sec(r.median("pull_s"))), ("fetched MiB", first("bytes_fetched", C.mib)),
+        ("ranged GETs", first("ranges")), ("packs whole/ranged", lambda r: f"{r.samples[0]['packs_whole']}/"
+                                                                          f"{r.samples[0]['packs_ranged']}"),
+        ("local packs MiB", first("local_pack_bytes", C.mib))]))
+    return dict(out, rows=res.to_json())
 
 
 # --------------------------------------------------------------------------- main
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=list(C.SIZES), default="small")
+    ap = H.parser(__doc__, repeat=1, sizes=C.SIZES, size="small", verify=True)
     ap.add_argument("--sections", default="finetune,gpu", help="finetune,gpu,pull")
     ap.add_argument("--steps", type=int, default=5, help="training steps = saves per run (section 1)")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"section 1 runs, from {','.join(RUNS)}")
@@ -735,15 +640,11 @@ def main() -> None:
     ap.add_argument("--gpu-saves", type=int, default=3, help="saves per method (the first one allocates)")
     ap.add_argument("--gpu-train-after", type=int, default=3, help="training steps timed after each save")
     ap.add_argument("--gpu-methods", default=",".join(GPU_METHODS))
-    ap.add_argument("--dir", default=str(C.default_bench_dir()), help="scratch parent folder")
     ap.add_argument("--keep", action="store_true", help="keep the stores")
-    ap.add_argument("--no-verify", dest="verify", action="store_false", help="skip the load-back check")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pull-repeat", type=int, default=3, help="section 3: resumes per pull mode")
     ap.add_argument("--pull-pack-threshold", type=float, default=4.0,
                     help="section 3: Packing.threshold in MiB (default 4, the Store's; 17 packs every tensor "
                          "of --size small)")
-    ap.add_argument("--json", help="write all figures to this file")
     args = ap.parse_args()
     if args.steps < 1 or args.seq > C.CONTEXT or args.gpu_seq > C.CONTEXT:
         ap.error(f"--steps >= 1 and --seq / --gpu-seq <= {C.CONTEXT}")
@@ -751,12 +652,10 @@ def main() -> None:
     bad += [r for r in args.runs.split(",") if r.strip() and r.strip() not in RUNS]
     if bad:
         ap.error(f"unknown --runs / --gpu-methods entries {bad}")
-    base = Path(args.dir).resolve()
-    base.mkdir(parents=True, exist_ok=True)
+    base = H.scratch_dir(args.dir, warn_tmpfs=False)
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}
-    print(f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, "
-          f"{torch.get_num_threads()} torch threads; --dir {base} ({C.fs_type(base)})")
-    report: dict[str, Any] = {"args": vars(args), "torch": torch.__version__, "host": platform.node()}
+    print(H.banner(dir=f"{base} ({C.fs_type(base)})"))
+    report: dict[str, Any] = {}
     if "finetune" in sections:
         report["finetune"] = section_finetune(args, base)
         print()
@@ -764,9 +663,7 @@ def main() -> None:
         report["gpu"] = section_gpu(args, base)
     if "pull" in sections:
         report["pull"] = section_pull(args, base)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
-        print(f"\nwrote {args.json}")
+    H.write_json(args.json, args, **report)
 
 
 if __name__ == "__main__":

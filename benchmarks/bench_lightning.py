@@ -12,26 +12,25 @@ two ``torch.save`` files per step for Lightning, one commit with two names (a re
 
 Run by hand:  PYTHONPATH=. python benchmarks/bench_lightning.py [--dir /dev/shm/bench-lightning] [--layers 10]
 (the default directory is a tmpfs: the machine this was written on had 2.5 GB of free disk; pass --dir for a disk)
+The IOs are harness contenders, alternated over ``--repeat`` rounds; ratios are against TorchCheckpointIO.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
-import sys
 import time
 import warnings
 
 warnings.filterwarnings("ignore")
 
+import harness as H  # noqa: E402  (puts the checkout on sys.path)
 import torch  # noqa: E402
 import lightning.pytorch as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins.io import TorchCheckpointIO  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ckptstore.integrations.lightning import CkptstoreCheckpointIO  # noqa: E402
 
 WIDTH = 2048
@@ -89,7 +88,7 @@ class TimedCkptstoreIO(CkptstoreCheckpointIO):
         super().teardown()
 
 
-def run(io, d: str, layers: int, steps: int, save_last: bool = False) -> float:
+def run_fit(io, d: str, layers: int, steps: int, save_last: bool = False) -> float:
     torch.manual_seed(0)
     data = DataLoader(TensorDataset(torch.randn(steps * 8, WIDTH)), batch_size=8)
     trainer = L.Trainer(max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -101,8 +100,13 @@ def run(io, d: str, layers: int, steps: int, save_last: bool = False) -> float:
     return time.perf_counter() - t
 
 
+IOS = {"TorchCheckpointIO (Lightning default)": lambda d: TimedTorchIO(),
+       "CkptstoreCheckpointIO blocking=True": lambda d: TimedCkptstoreIO(os.path.join(d, "store")),
+       "CkptstoreCheckpointIO blocking=False": lambda d: TimedCkptstoreIO(os.path.join(d, "store"), blocking=False)}
+
+
 def main():
-    p = argparse.ArgumentParser()
+    p = H.parser(__doc__, repeat=1, scratch=False, seed=False)
     p.add_argument("--dir", default="/dev/shm/bench-lightning")
     p.add_argument("--layers", type=int, default=10)
     p.add_argument("--steps", type=int, default=10)
@@ -111,28 +115,25 @@ def main():
     a = p.parse_args()
     state_mb = a.layers * (WIDTH * WIDTH + WIDTH) * 12 / 1e6
     print(f"model + AdamW state: {state_mb:.0f} MB, {a.steps} steps" + (", save_last=True" if a.save_last else ""))
-    rows = []
-    for name, make in [("TorchCheckpointIO (Lightning default)", lambda d: TimedTorchIO()),
-                       ("CkptstoreCheckpointIO blocking=True", lambda d: TimedCkptstoreIO(os.path.join(d, "store"))),
-                       ("CkptstoreCheckpointIO blocking=False",
-                        lambda d: TimedCkptstoreIO(os.path.join(d, "store"), blocking=False))]:
+
+    def contender(name: str, make) -> H.Contender:
         d = os.path.join(a.dir, name.split()[0] + name.split()[-1])
-        shutil.rmtree(d, ignore_errors=True)
-        io = make(d)
-        wall = run(io, d, a.layers, a.steps, a.save_last)
-        if isinstance(io, TimedTorchIO):
-            written, commit = io.bytes, None
-        else:
-            written = sum(r.bytes_written for r in io.results)
-            commit = statistics.median(r.seconds for r in io.results)
-        s = io.seconds
-        rows.append((name, statistics.median(s), max(s), commit, written, wall))
-        shutil.rmtree(d, ignore_errors=True)
-    base = rows[0]
-    print(f"{'':40s} {'save med s':>10s} {'max s':>7s} {'commit s':>9s} {'GB written':>10s} {'fit s':>7s}  ratio")
-    for name, med, mx, commit, written, wall in rows:
-        print(f"{name:40s} {med:10.3f} {mx:7.3f} {commit if commit is not None else float('nan'):9.3f} "
-              f"{written / 1e9:10.2f} {wall:7.1f}  {med / base[1]:.2f}x")
+
+        def run(_):
+            io = make(d)
+            wall = run_fit(io, d, a.layers, a.steps, a.save_last)
+            written = io.bytes if isinstance(io, TimedTorchIO) else sum(r.bytes_written for r in io.results)
+            commit = None if isinstance(io, TimedTorchIO) else statistics.median(r.seconds for r in io.results)
+            return dict(seconds=statistics.median(io.seconds), max=max(io.seconds), commit=commit, written=written,
+                        fit=wall)
+        return H.Contender(name, run, setup=lambda: shutil.rmtree(d, ignore_errors=True),
+                           teardown=lambda _: shutil.rmtree(d, ignore_errors=True))
+    res = H.compare([contender(n, make) for n, make in IOS.items()], a.repeat)
+    print(res.table(head="checkpoint IO", unit="s per save", ratios={"x Lightning": next(iter(IOS))}, columns=[
+        ("max s", lambda r: f"{max(r.values('max')):.3f}"),
+        ("commit s", lambda r: f"{r.median('commit'):.3f}" if r.values("commit") else "-"),
+        ("GB written", lambda r: f"{r.median('written') / 1e9:.2f}"), ("fit s", lambda r: f"{r.median('fit'):.1f}")]))
+    H.write_json(a.json, a, state_mb=state_mb, rows=res.to_json())
 
 
 if __name__ == "__main__":

@@ -8,9 +8,10 @@
 (a) ``overhead``: one process; a compute loop (matmuls calibrated to ``--step-ms`` per step) whose state
 (``--state-mib`` of fp32 tensors) changes every step (an in-place update of every tensor, as an optimizer step
 does), run without checkpointing and saving every step to the memory tier (``Store.save(blocking=False)``,
-memory root under /dev/shm, no replicas, disk promotion off). Reported: throughput ratio (steps/s with saves
-over steps/s without; the no-checkpoint run is done before and after, its mean is the reference), the stall
-(time inside ``save``) p50/p99, and the step time p50/p99 of both runs.
+memory root under /dev/shm, no replicas, disk promotion off): contenders alternated, the no-checkpoint run
+before and after (``--repeat``: more rounds). Reported: throughput ratio (steps/s with saves over steps/s
+without, every step of the runs pooled), the stall (time inside ``save``) p50/p99, and the step time p50/p99
+of both.
 
 (b) ``recovery``: 4 ranks as 2 nodes (node_size=2, gloo on 127.0.0.1, launched like torchrun), each rank's state
 ``--state-mib`` of data-parallel model bytes (the same on every rank) + 1 MiB of its own. One job saves step 1
@@ -23,7 +24,6 @@ from ``Store(...)`` to ``resume`` returning; process start-up excluded), bytes m
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
@@ -32,18 +32,12 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE.parent / "tests"))
-
+import harness as H  # noqa: E402  (puts the checkout and tests/ on sys.path)
 import torch  # noqa: E402
+from countproxy import CountingProxy  # noqa: E402
 
 MiB = 1 << 20
-
-
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+NONE, MEMORY = "no checkpointing", "memory tier every step"
 
 
 # -- (a) overhead -------------------------------------------------------------------------------------------------
@@ -63,7 +57,9 @@ def calibrate(step_ms: float):
     return a, b, max(1, round(step_ms / 1000 / per))
 
 
-def loop(state, steps, a, b, iters, store=None, warmup=5):
+def loop(state, steps, a, b, iters, store=None, warmup=5) -> dict:
+    """``steps`` steps (after ``warmup``) of compute + an in-place change of every tensor, saving every step to
+    ``store`` (non-blocking) when given: the step times and the stalls (time inside ``save``)."""
     step_s, stall_s = [], []
     for step in range(1, steps + warmup + 1):
         t0 = time.perf_counter()
@@ -80,83 +76,73 @@ def loop(state, steps, a, b, iters, store=None, warmup=5):
             stall_s.append(t1 - ts)
     if store is not None:
         store.wait()
-    return step_s, stall_s
+    return {"seconds": sum(step_s), "steps": step_s, "stalls": stall_s, "rate": len(step_s) / sum(step_s)}
 
 
 def overhead(args) -> str:
     from ckptstore import Memory, Store
     a, b, iters = calibrate(args.step_ms)
     state = make_state(args.state_mib)
-    base1, _ = loop(state, args.steps, a, b, iters)
-    mem = tempfile.mkdtemp(prefix="ckptstore-bench-mem-", dir="/dev/shm")
-    disk = tempfile.mkdtemp(prefix="ckptstore-bench-disk-")
-    try:
-        with Store(disk, memory=Memory(mem, every=1, disk_every=10 ** 9, capacity=4 * args.state_mib * MiB,
-                                       keep=2, replicas=0)) as store:
-            ck, stall = loop(state, args.steps, a, b, iters, store)
-    finally:
-        shutil.rmtree(mem, ignore_errors=True)
-        shutil.rmtree(disk, ignore_errors=True)
-    base2, _ = loop(state, args.steps, a, b, iters)
-    base = base1 + base2
-    ratio = (len(ck) / sum(ck)) / (len(base) / sum(base))
-    ms = lambda x: f"{1000 * x:.1f}"  # noqa: E731
+
+    def memory_tier():
+        mem = tempfile.mkdtemp(prefix="ckptstore-bench-mem-", dir="/dev/shm")
+        disk = tempfile.mkdtemp(prefix="ckptstore-bench-disk-")
+        try:
+            with Store(disk, memory=Memory(mem, every=1, disk_every=10 ** 9, capacity=4 * args.state_mib * MiB,
+                                           keep=2, replicas=0)) as store:
+                return loop(state, args.steps, a, b, iters, store)
+        finally:
+            shutil.rmtree(mem, ignore_errors=True)
+            shutil.rmtree(disk, ignore_errors=True)
+    none = H.Contender(NONE, lambda: loop(state, args.steps, a, b, iters))
+    res = H.compare([none, H.Contender(MEMORY, memory_tier), none], args.repeat)
+
+    def pooled(r, key="steps"):                        # every step of every run of the row
+        return [x for s in r.samples for x in s[key]]
+
+    def ms(r, q, key="steps"):
+        return f"{1000 * H.pct(pooled(r, key), q):.1f}" if r.name == MEMORY or key == "steps" else "-"
+
+    def rate(r):
+        return len(pooled(r)) / sum(pooled(r))
+    cols = [("steps/s", lambda r: f"{rate(r):.2f}"),
+            ("throughput vs none", lambda r: f"{rate(r) / rate(res.rows[NONE]):.3f}"),
+            ("step p50 ms", lambda r: ms(r, 50)), ("step p99 ms", lambda r: ms(r, 99)),
+            ("stall in save p50 ms", lambda r: ms(r, 50, "stalls")), ("stall p99 ms", lambda r: ms(r, 99, "stalls"))]
     return "\n".join([
         f"(a) per-step save to the memory tier, {args.state_mib} MiB of state changing every step, "
         f"compute ~{args.step_ms:.0f} ms/step ({iters} matmuls 512x512, torch threads {torch.get_num_threads()}), "
-        f"{args.steps} steps after 5 warm-up, {os.cpu_count()} cores",
-        "",
-        "| run | steps/s | throughput vs none | step p50 ms | step p99 ms | stall in save p50 ms | stall p99 ms |",
-        "|---|---|---|---|---|---|---|",
-        f"| no checkpointing | {len(base) / sum(base):.2f} | 1.000 | {ms(pct(base, 50))} | "
-        f"{ms(pct(base, 99))} | - | - |",
-        f"| memory tier every step | {len(ck) / sum(ck):.2f} | {ratio:.3f} | {ms(pct(ck, 50))} | "
-        f"{ms(pct(ck, 99))} | {ms(pct(stall, 50))} | {ms(pct(stall, 99))} |",
-    ])
+        f"{args.steps} steps after 5 warm-up, {os.cpu_count()} cores; no checkpointing runs before and after",
+        "", res.table(head="run", columns=cols)])
 
 
 # -- (b) recovery -------------------------------------------------------------------------------------------------
-class ByteProxy:
-    """tests/countproxy.CountingProxy that also counts the bytes the object store answered with."""
+class ByteProxy(CountingProxy):
+    """tests/countproxy.CountingProxy (its request counting and pipe loop, reused as they are) that also counts
+    ``down_bytes``: the bytes the object store answered with, i.e. written to the proxy's clients."""
+    down_bytes = 0
 
-    def __new__(cls, upstream_port):
-        from countproxy import CountingProxy
-
-        class _P(CountingProxy):
-            down_bytes = 0
-
-            async def _handle(self, cr, cw):
-                up = down = None
-                try:
-                    ur, uw = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-
-                    async def pipe():
-                        while True:
-                            data = await ur.read(65536)
-                            if not data:
-                                break
-                            type(self).down_bytes += len(data)
-                            cw.write(data)
-                            await cw.drain()
-                    down = asyncio.ensure_future(pipe())
-                    up = asyncio.ensure_future(self._requests(cr, uw, cw))
-                    await asyncio.wait([up, down], return_when=asyncio.FIRST_COMPLETED)
-                except (ConnectionError, OSError):
-                    pass
-                finally:
-                    for t in (up, down):
-                        if t is not None:
-                            t.cancel()
-                    cw.close()
-        return _P(upstream_port)
+    async def _handle(self, cr, cw):
+        await super()._handle(cr, _CountingWriter(cw, self))
 
 
-def worker(args) -> None:
+class _CountingWriter:
+    """An asyncio StreamWriter that adds what is written through it to ``proxy.down_bytes``."""
+
+    def __init__(self, writer, proxy: ByteProxy):
+        self._w, self._proxy = writer, proxy
+
+    def write(self, data: bytes) -> None:
+        self._proxy.down_bytes += len(data)
+        self._w.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._w, name)
+
+
+def worker(args, rank: int, world: int) -> dict:
     import torch.distributed as dist
     from ckptstore import Memory, Remote, Store
-    from dist_worker import finish
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     node = rank // 2
     g = torch.Generator().manual_seed(0)
     n = args.state_mib * MiB // 4 // 8
@@ -176,15 +162,12 @@ def worker(args) -> None:
         fresh = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
                  "own": torch.zeros_like(state["own"]), "step": 0}
         got = store.resume(fresh)
-        out["resume_s"] = time.perf_counter() - t0
-        out["resumed"] = got
-        out["resumed_from"] = store.resumed_from
+        out.update(resume_s=time.perf_counter() - t0, resumed=got, resumed_from=store.resumed_from)
         assert got == 1 and all(torch.equal(fresh["model"][k], state["model"][k]) for k in state["model"])
         assert torch.equal(fresh["own"], state["own"]), rank
     dist.barrier()
     store.close()
-    print("RESULT " + json.dumps(out), flush=True)
-    finish()
+    return out
 
 
 def lost_unique_bytes(root: Path, step: int, ranks) -> int:
@@ -200,75 +183,61 @@ def lost_unique_bytes(root: Path, step: int, ranks) -> int:
 
 def recovery(args) -> str:
     from backends.launcher import S3Server
-    from dist import Job
-    script = Path(__file__).resolve()
     base = Path(tempfile.mkdtemp(prefix="ckptstore-bench-rec-"))
     shm = Path(tempfile.mkdtemp(prefix="ckptstore-bench-rec-", dir="/dev/shm"))
-    rows = []
+    res = H.Results()
     try:
-        with S3Server() as server:
-            proxy = ByteProxy(server.port)
-            with proxy:
-                url = server.new_bucket_url()
-                so = json.dumps(dict(server.storage_options(), endpoint_url=proxy.endpoint))
-                common = ["--base", str(base), "--shm", str(shm), "--remote", f"{url}/run", "--so", so,
-                          "--state-mib", str(args.state_mib)]
-                Job(4, "--worker", "save", *common, script=script).check(900)
-                unique = lost_unique_bytes(shm / "mem0", 1, (2, 3))
-
-                def lose(paths):
-                    for p in paths:
-                        shutil.rmtree(p, ignore_errors=True)
-
-                for name, gone in (("peers' memory", [shm / "mem1", base / "disk1"]),
-                                   ("remote (S3, moto)", [shm / "mem0", shm / "mem1", base / "disk1"])):
-                    lose(gone)
-                    proxy.reset()
-                    b0 = type(proxy).down_bytes
-                    t0 = time.perf_counter()
-                    res = Job(4, "--worker", "resume", *common, script=script).check(900)
-                    wall = time.perf_counter() - t0
-                    s3_bytes = type(proxy).down_bytes - b0
-                    gets = proxy.counts["GET"]
-                    slow = max(r["resume_s"] for r in res.values())
-                    tiers = sorted({f'{r["resumed_from"]["tier"]}' for r in res.values()})
-                    peer = sum(r["resumed_from"].get("peer_bytes", 0) or 0 for r in res.values())
-                    rows.append(f"| {name} | {'/'.join(tiers)} | {slow:.2f} | {wall:.1f} | {unique / MiB:.1f} | "
-                                f"{peer / MiB:.1f} | {s3_bytes / MiB:.1f} | {gets} |")
+        with S3Server() as server, ByteProxy(server.port) as proxy:
+            url = server.new_bucket_url()
+            so = json.dumps(dict(server.storage_options(), endpoint_url=proxy.endpoint))
+            common = ["--base", base, "--shm", shm, "--remote", f"{url}/run", "--so", so, "--state-mib", args.state_mib]
+            H.launch(4, __file__, "--worker", "save", *common, timeout=900)
+            unique = lost_unique_bytes(shm / "mem0", 1, (2, 3))
+            # the order is fixed: the second recovery loses what the first did, and more
+            for name, gone in (("peers' memory", [shm / "mem1", base / "disk1"]),
+                               ("remote (S3, moto)", [shm / "mem0", shm / "mem1", base / "disk1"])):
+                for p in gone:
+                    shutil.rmtree(p, ignore_errors=True)
+                proxy.reset()
+                b0, t0 = proxy.down_bytes, time.perf_counter()
+                ranks = H.launch(4, __file__, "--worker", "resume", *common, timeout=900)
+                res.add(name, max(r["resume_s"] for r in ranks), wall=time.perf_counter() - t0,
+                        tiers="/".join(sorted({f'{r["resumed_from"]["tier"]}' for r in ranks})),
+                        peer=sum(r["resumed_from"].get("peer_bytes", 0) or 0 for r in ranks),
+                        s3_bytes=proxy.down_bytes - b0, gets=proxy.counts["GET"])
     finally:
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
+
+    def last(key, fmt="{}"):
+        return lambda r: fmt.format(r.samples[-1][key])
+    cols = [("tiers (all ranks)", last("tiers")), ("job wall s", last("wall", "{:.1f}")),
+            ("lost node's unique MiB", lambda r: f"{unique / MiB:.1f}"), ("MiB from peers", lambda r: f"{r.median('peer') / MiB:.1f}"),
+            ("MiB answered by S3", lambda r: f"{r.median('s3_bytes') / MiB:.1f}"), ("S3 GETs (whole job)", last("gets"))]
     return "\n".join([
         f"(b) recovery after the loss of node 1 (ranks 2, 3) of 4 ranks as 2 nodes; per rank {args.state_mib} MiB "
         f"of data-parallel model bytes + 1 MiB of its own; {os.cpu_count()} cores",
-        "",
-        "| recovered from | tiers (all ranks) | resume s (slowest rank) | job wall s | lost node's unique MiB | "
-        "MiB from peers | MiB answered by S3 | S3 GETs (whole job) |",
-        "|---|---|---|---|---|---|---|---|",
-        *rows,
-    ])
+        "", res.table(head="recovered from", unit="s (resume, slowest rank)", fmt="{:.2f}", columns=cols)])
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = H.parser(__doc__, repeat=1, scratch=False, seed=False)
     ap.add_argument("section", nargs="?", default="all", choices=["overhead", "recovery", "all"])
     ap.add_argument("--state-mib", type=int, default=128)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--step-ms", type=float, default=50)
-    ap.add_argument("--worker", choices=["save", "resume"])
-    ap.add_argument("--base")
-    ap.add_argument("--shm")
-    ap.add_argument("--remote")
-    ap.add_argument("--so")
+    for hidden in ("--worker", "--base", "--shm", "--remote", "--so"):   # the ranks of (b)
+        ap.add_argument(hidden, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker(args)
-    out = []
+        return H.rank_main(lambda rank, world: worker(args, rank, world))
+    out = {}
     if args.section in ("overhead", "all"):
-        out.append(overhead(args))
+        out["overhead"] = overhead(args)
     if args.section in ("recovery", "all"):
-        out.append(recovery(args))
-    print("\n\n".join(out))
+        out["recovery"] = recovery(args)
+    print("\n\n".join(out.values()))
+    H.write_json(args.json, args, **out)
 
 
 if __name__ == "__main__":

@@ -1,34 +1,33 @@
+#!/usr/bin/env python
 """Read each byte once at resume (issue 19, ckptstore/fanout.py): chunk bytes read from storage per rank, and
 resume time, before (every data-parallel rank reads all it needs) and after (each chunk every rank needs is read
 by one rank and broadcast over gloo), for a DDP + AdamW job on 127.0.0.1.
 
 Run by hand (not a test)::
 
-    PYTHONPATH=$PWD python benchmarks/bench_read_once.py --mib 96 --ranks 2 4 [--s3]
+    PYTHONPATH=$PWD python benchmarks/bench_read_once.py --mib 96 --ranks 2 4 [--s3] [--repeat 3]
 
 Each configuration saves once (DDP, every rank the same tensors; ``--replicated`` saves them from rank 0 only),
-then ONE job of the same ranks resumes twice: first with ``CKPTSTORE_READ_ONCE=0`` (before), then with it on
-(after). Bytes are counted at the storage layer (every read of ``objects/`` / ``packs/``, see
-tests/read_once_worker.py). ``local``: the store is a local directory, read hot from the page cache (the save
-just wrote it): times there measure CPU and copies, not a disk. ``s3``: a moto server on 127.0.0.1; every rank
-resumes with ``Store(read_only=True)`` from an empty local root, so it reads straight from the bucket.
-Resume time is the slowest rank's ``store.resume`` (the job waits for it).
+then, per repeat, ONE job of the same ranks resumes twice: with ``CKPTSTORE_READ_ONCE=0`` (before) and with it
+on (after), the order alternated between repeats. Bytes are counted at the storage layer (every read of
+``objects/`` / ``packs/``, see tests/read_once_worker.py). ``local``: the store is a local directory, read hot
+from the page cache (the save just wrote it): times there measure CPU and copies, not a disk. ``s3``: a moto
+server on 127.0.0.1; every rank resumes with ``Store(read_only=True)`` from an empty local root, so it reads
+straight from the bucket. Resume time is the slowest rank's ``store.resume`` (the job waits for it).
 """
 from __future__ import annotations
 
-import argparse
+import json
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "tests"), str(REPO)]
+import harness as H  # noqa: E402  (puts the checkout and tests/ on sys.path)
+import common as C  # noqa: E402
 
-from dist import Job  # noqa: E402
-
-WORKER = REPO / "tests" / "read_once_worker.py"
-MiB = 1 << 20
+WORKER = H.REPO / "tests" / "read_once_worker.py"
+MiB = C.MiB
 
 
 def dim_for(mib: int) -> int:
@@ -36,12 +35,8 @@ def dim_for(mib: int) -> int:
     return max(64, int((mib * MiB / 12) ** 0.5))
 
 
-def job(world, *args):
-    return Job(world, *args, script=WORKER).check(600)
-
-
 def main(argv=None):
-    ap = argparse.ArgumentParser()
+    ap = H.parser(__doc__, repeat=1, scratch=False)
     ap.add_argument("--mib", type=int, default=96, help="state size (weight + 2 AdamW moments), MiB")
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--chunk-mib", type=int, default=8, help="Writing.chunk_size, MiB")
@@ -53,45 +48,47 @@ def main(argv=None):
     common = ["--dim", str(dim_for(args.mib)), "--chunk-mib", str(args.chunk_mib), "--steps", "1"]
     if args.replicated:
         common += ["--replicated", "app"]
-    rows = []
-    server = None
-    backends = ["local"] + (["s3"] if args.s3 else [])
+    res, server = H.Results(), None
     try:
-        for backend in backends:
+        for backend in ["local"] + (["s3"] if args.s3 else []):
             for world in args.ranks:
                 root = work / f"{backend}-{world}"
                 shutil.rmtree(root, ignore_errors=True)
                 if backend == "local":
-                    job(world, "--mode", "save", "--store", str(root / "store"), *common)
-                    load = ["--store", str(root / "store")]
+                    H.launch(world, WORKER, "--mode", "save", "--store", root / "store", *common, timeout=600)
+                    load = ["--store", root / "store"]
                 else:
                     if server is None:
                         from backends.launcher import S3Server
                         server = S3Server(workdir=work / "moto").start()
-                    import json
                     url, so = server.new_bucket_url("readonce"), json.dumps(server.storage_options())
-                    job(world, "--mode", "save", "--store", str(root / "save{rank}"), "--remote", url,
-                        "--so", so, *common)
-                    load = ["--store", str(root / "load{rank}"), "--remote", url, "--so", so, "--read-only", "1"]
-                res = job(world, "--mode", "load", "--phases", "before,after", *load, *common)
-                for label in ("before", "after"):
-                    got = [res[r][label] for r in sorted(res)]
-                    assert len({g["digest"] for g in got}) == 1 and {g["step"] for g in got} == {1}, got
-                    group = max((g["resumed_from"].get("read_once") or {}).get("group_seconds", 0) for g in got)
-                    rows.append((backend, world, label, [g["read"] for g in got], max(g["seconds"] for g in got),
-                                 group))
+                    H.launch(world, WORKER, "--mode", "save", "--store", root / "save{rank}", "--remote", url,
+                             "--so", so, *common, timeout=600)
+                    load = ["--store", root / "load{rank}", "--remote", url, "--so", so, "--read-only", "1"]
+                for rep in range(args.repeat):
+                    phases = H.order(["before", "after"], rep)
+                    got = H.launch(world, WORKER, "--mode", "load", "--phases", ",".join(phases), *load, *common,
+                                   timeout=600)
+                    for label in phases:
+                        ranks = [g[label] for g in got]
+                        name = f"{backend} {world} ranks {label}"
+                        res.check(name, len({g["digest"] for g in ranks}) == 1 and {g["step"] for g in ranks} == {1})
+                        res.add(name, max(g["seconds"] for g in ranks), reads=[g["read"] for g in ranks],
+                                group=max((g["resumed_from"].get("read_once") or {}).get("group_seconds", 0)
+                                          for g in ranks))
     finally:
         if server is not None:
             server.stop()
         if args.dir is None:
             shutil.rmtree(work, ignore_errors=True)
     print(f"\nstate ~{args.mib} MiB (DDP + AdamW, fp32), chunk {args.chunk_mib} MiB, "
-          f"{'replicated' if args.replicated else 'every rank saves the same tensors'}")
-    print(f"{'backend':8} {'ranks':>5} {'':7} {'MiB read per rank':40} {'job total':>10} {'resume s':>9} "
-          f"{'of which gloo group':>20}")
-    for backend, world, label, reads, secs, group in rows:
-        per = " ".join(f"{r / MiB:7.1f}" for r in reads)
-        print(f"{backend:8} {world:5d} {label:7} {per:40} {sum(reads) / MiB:10.1f} {secs:9.3f} {group:20.3f}")
+          f"{'replicated' if args.replicated else 'every rank saves the same tensors'}; median of {args.repeat}")
+    before = {"x before": lambda r: r.name.replace(" after", " before") if r.name.endswith("after") else None}
+    print(res.table(head="backend ranks phase", unit="s (resume)", ratios=before, columns=[
+        ("MiB read per rank", lambda r: " ".join(f"{x / MiB:.1f}" for x in r.samples[-1]["reads"])),
+        ("job total MiB", lambda r: f"{sum(r.samples[-1]['reads']) / MiB:.1f}"),
+        ("of which gloo group s", lambda r: f"{r.median('group'):.3f}")]))
+    H.write_json(args.json, args, rows=res.to_json(before))
 
 
 if __name__ == "__main__":

@@ -12,56 +12,47 @@ roots of ``--per-node`` ranks each (rank 0's node uploader commits; the other no
 
 Rows: ``save1`` is the job's first save (start-up included: lease, listing), ``save<k>`` a steady-state save
 (k >= 2), ``resume`` a new job on empty local disks, from its start until every rank resumed (pulling the
-newest step), ``resume+start`` until its uploaders' start-up work is done too.
+newest step), ``resume+start`` until its uploaders' start-up work is done too. Counts are exact; with
+``--repeat`` the configurations are measured again, alternated (LISTs of rank 0's wait rounds depend on timing).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE.parent / "tests"))
-
+import harness as H  # noqa: E402  (puts the checkout and tests/ on sys.path)
 from backends.launcher import S3Server  # noqa: E402
 from countproxy import KINDS, CountingProxy, measure  # noqa: E402
 
 
-def row(name, counts):
-    total = sum(counts.values())
-    return f"  {name:<14}" + "".join(f"{counts.get(k, 0):>8}" for k in KINDS) + f"{total:>8}"
-
-
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = H.parser(__doc__, repeat=1, scratch=False, seed=False)
     ap.add_argument("--ranks", default="4,8,16")
     ap.add_argument("--per-node", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--layout", default="node,shared")
     ap.add_argument("--verbose", action="store_true", help="print every request of the last save and the resume")
     args = ap.parse_args()
+    configs = [(layout, int(n)) for layout in args.layout.split(",") for n in args.ranks.split(",")]
+    res = H.Results()
     with S3Server() as server, CountingProxy(server.port) as proxy:
-        for layout in args.layout.split(","):
-            for n in (int(x) for x in args.ranks.split(",")):
-                bucket = server.create_bucket()
-                with tempfile.TemporaryDirectory() as tmp:
-                    got = measure(proxy, f"s3://{bucket}", server.storage_options(), tmp, n,
-                                  per_node=args.per_node, shared_root=layout == "shared", steps=args.steps)
-                print(f"N={n} layout={layout} (per node {args.per_node})" if layout == "node" else
-                      f"N={n} layout={layout}")
-                print("  " + " " * 14 + "".join(f"{k:>8}" for k in KINDS) + f"{'total':>8}")
-                for k in range(1, args.steps + 1):
-                    print(row(f"save{k}", got[f"save{k}"]))
-                print(row("resume", got["resume"]))
-                print(row("resume+start", got["resume_settled"]))
-                if args.verbose:
-                    for what in (f"save{args.steps}", "resume", "resume_settled"):
-                        print(f"  -- requests of {what}")
-                        for method, target in got[f"requests_{what}"]:
-                            print("   ", method, target[:150])
-                sys.stdout.flush()
+        for _, (layout, n) in H.alternated(configs, args.repeat):
+            with tempfile.TemporaryDirectory() as tmp:
+                got = measure(proxy, f"s3://{server.create_bucket()}", server.storage_options(), tmp, n,
+                              per_node=args.per_node, shared_root=layout == "shared", steps=args.steps)
+            where = f"N={n} {layout}" + (f" ({args.per_node} per node)" if layout == "node" else "")
+            rows = [(f"save{k}", f"save{k}") for k in range(1, args.steps + 1)]
+            for label, key in rows + [("resume", "resume"), ("resume+start", "resume_settled")]:
+                res.add(f"{where}: {label}", None, total=sum(got[key].values()), **{k: got[key].get(k, 0) for k in KINDS})
+            print(f"{where}: resumed step {got['resumed_step']}", file=sys.stderr, flush=True)
+            if args.verbose:
+                for what in (f"save{args.steps}", "resume", "resume_settled"):
+                    print(f"  -- requests of {where}: {what}")
+                    for method, target in got[f"requests_{what}"]:
+                        print("   ", method, target[:150])
+    print("\n" + res.table(head="where: phase", key="total", unit="requests", fmt="{:.0f}",
+                           columns=[(k, lambda r, k=k: f"{r.median(k):.0f}") for k in KINDS]))
+    H.write_json(args.json, args, rows=res.to_json(key="total"))
 
 
 if __name__ == "__main__":

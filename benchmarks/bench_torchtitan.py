@@ -18,6 +18,9 @@ Reported per mode (medians over the saves, rank 0's clock; every save is collect
     python benchmarks/bench_torchtitan.py --state-mb 600 --saves 10 --dir /dev/shm/bench_titan    # ~1.5 min
     python benchmarks/bench_torchtitan.py --ranks 2 ...     # FSDP2 over 2 ranks: slower (gloo all-gathers)
 
+The modes run one after another in one job (harness.launch), in the order of harness.alternated over
+``--repeat`` rounds; the table gives the median over rounds of each round's median, and ratios against dcp.
+
 Measured (2-core VM shared with other jobs, load average 5-8; tmpfs because the disk was 98% full, so these
 are CPU-side costs, not disk bandwidth; 50.3 M params, 604 MB of model + AdamW state, 10 saves):
 
@@ -41,15 +44,13 @@ The model is a residual MLP LM (torchtitan's debug llama cannot train on CPU); i
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+import harness as H  # noqa: E402  (puts the checkout on sys.path)
 
 MODES = ("dcp", "dcp-async", "ckpt", "ckpt-nb")
 
@@ -58,7 +59,7 @@ def du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def worker(args) -> None:
+def worker(args, rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
     import torch.nn as nn
@@ -71,8 +72,6 @@ def worker(args) -> None:
 
     from ckptstore.integrations.torchtitan import CkptstoreCheckpointManager
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     dim, vocab, seq = 1024, 8192, 16
     per_block = 2 * dim * 4 * dim
@@ -102,9 +101,8 @@ def worker(args) -> None:
             x = torch.randint(0, vocab, (seq + 1,), generator=g)
             return x[:-1], x[1:]
 
-    class TrainState:
-        def __init__(self):
-            self.step = 0
+    class TrainState:                                   # torchtitan's train state: a Stateful step counter
+        step = 0
 
         def state_dict(self):
             return {"step": self.step}
@@ -133,8 +131,8 @@ def worker(args) -> None:
         optimizers.step()
         lr_schedulers.step()
 
-    results = {"ranks": world, "params": n_params, "state_mb": n_params * 12 / 1e6}
-    for mode in args.modes.split(","):
+    results = {"rank": rank, "ranks": world, "params": n_params, "state_mb": n_params * 12 / 1e6, "samples": {}}
+    for _, mode in H.alternated(args.modes.split(","), args.repeat):
         folder = Path(args.dir) / mode
         if rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
@@ -190,19 +188,16 @@ def worker(args) -> None:
         if mode in ("dcp-async", "ckpt-nb"):
             stall_total += tail
         if rank == 0:
-            results[mode] = {"save_s": statistics.median(saves), "stall_s": statistics.median(stalls),
-                             "stall_max_s": max(stalls), "stall_total_s": stall_total,
-                             "step_s": statistics.median(steps), "bytes": du(folder)}
-            print(f"{mode}: {json.dumps(results[mode])}", flush=True)
+            results["samples"].setdefault(mode, []).append(dict(
+                seconds=statistics.median(saves), stall=statistics.median(stalls), stall_max=max(stalls),
+                stall_total=stall_total, step=statistics.median(steps), bytes=du(folder)))
             shutil.rmtree(folder, ignore_errors=True)
         dist.barrier()
-    if rank == 0:
-        print("RESULT " + json.dumps(results), flush=True)
-    dist.destroy_process_group()
+    return results
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = H.parser(__doc__, repeat=1, scratch=False, seed=False)
     ap.add_argument("--ranks", type=int, default=1)
     ap.add_argument("--state-mb", type=float, default=600.0, help="model + AdamW state, MB, all ranks")
     ap.add_argument("--saves", type=int, default=10)
@@ -211,42 +206,22 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker(args)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(args.ranks),
-               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), GLOO_SOCKET_IFNAME="lo",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])))
-    argv = [sys.executable, "-u", __file__, "--worker", "--state-mb", str(args.state_mb), "--saves",
-            str(args.saves), "--dir", args.dir, "--modes", args.modes]
-    procs = [subprocess.Popen(argv, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, stderr=subprocess.STDOUT
-                              if r == 0 else subprocess.DEVNULL, text=True) for r in range(args.ranks)]
-    result = None
-    for line in procs[0].stdout:
-        if line.startswith("RESULT "):
-            result = json.loads(line[7:])
-        elif ": {" in line and line.split(":")[0] in MODES:
-            print(line.rstrip(), flush=True)
-    codes = [p.wait() for p in procs]
-    if result is None or any(codes):
-        sys.exit(f"benchmark failed (exit codes {codes})")
-    print(f"\n{result['ranks']} ranks, {result['params'] / 1e6:.1f} M params, model + AdamW state "
-          f"{result['state_mb']:.0f} MB, {args.saves} saves, one per training step\n")
-    print("| mode | seconds per save (to durable) | training-visible stall per save (median / max) | "
-          f"bytes written over {args.saves} saves |")
-    print("|---|---|---|---|")
-    base = result.get("dcp")
-    for m in MODES:
-        if m not in result:
-            continue
-        r = result[m]
-        ratio = f" ({r['save_s'] / base['save_s']:.2f}x dcp)" if base else ""
-        sratio = f" ({r['stall_s'] / base['stall_s']:.2f}x dcp)" if base else ""
-        print(f"| {m} | {r['save_s']:.3f}{ratio} | {r['stall_s']:.3f}{sratio} / {r['stall_max_s']:.3f} | "
-              f"{r['bytes'] / 1e6:.0f} MB |")
+        return H.rank_main(lambda rank, world: worker(args, rank, world))
+    got = H.launch(args.ranks, __file__, "--worker", "--state-mb", args.state_mb, "--saves", args.saves, "--dir",
+                   args.dir, "--modes", args.modes, "--repeat", args.repeat, timeout=3600)[0]
+    res = H.Results()
+    for m in (m for m in MODES if m in got["samples"]):
+        for sample in got["samples"][m]:
+            res.add(m, **sample)
+    base = "dcp" if "dcp" in res.rows else None
+    print(f"\n{got['ranks']} ranks, {got['params'] / 1e6:.1f} M params, model + AdamW state {got['state_mb']:.0f} MB, "
+          f"{args.saves} saves, one per training step; {args.repeat} round(s); {H.banner()}\n")
+    print(res.table(head="mode", unit="s per save (to durable)", ratios={"x dcp": base} if base else {}, columns=[
+        ("stall per save s", lambda r: f"{r.median('stall'):.3f}"),
+        ("stall x dcp", lambda r: f"{r.median('stall') / res.rows[base].median('stall'):.2f}" if base else ""),
+        ("stall max s", lambda r: f"{max(r.values('stall_max')):.3f}"),
+        (f"MB written over {args.saves} saves", lambda r: f"{r.median('bytes') / 1e6:.0f}")]))
+    H.write_json(args.json, args, ranks=got["ranks"], params=got["params"], rows=res.to_json())
 
 
 if __name__ == "__main__":

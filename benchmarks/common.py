@@ -1,7 +1,15 @@
-"""Shared helpers for the by-hand benchmarks in this folder.
+"""Shared helpers for the by-hand benchmarks in this folder (harness.py runs and reports them):
 
-Nothing here imports ckptstore: the benchmarks must run (printing "n/a") while
-the package is still being written.
+* the GPT + AdamW state every single-process benchmark saves (``build_state``, ``SIZES``), its tensors,
+  fingerprints (CRC32) and the one-byte perturbation that makes an in-place load prove itself;
+* files: scratch folders, fsync, page-cache eviction, bytes on disk, the files a store left (``count_files``);
+* the anchors: raw O_DIRECT write / read (``raw_write`` / ``raw_read``: the disk's limit), ``torch.save`` +
+  fsync (``torch_save_fsync``), DCP's ``AppState``;
+* memory: RSS, the VmHWM reset and ``PeakRSS`` (peak above a baseline), ``MALLOC_ENV`` for measured children;
+* moto: CPU seconds of the server and this process, a boto3 client;
+* formatting: bytes, notes, the plain-text table.
+
+Nothing here imports ckptstore: the benchmarks must run (printing "n/a") while the package is still being written.
 """
 
 from __future__ import annotations
@@ -13,11 +21,10 @@ import mmap
 import os
 import resource
 import shutil
-import statistics
 import tempfile
 import time
+import warnings
 import zlib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -133,15 +140,21 @@ def fingerprint(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
     return sorted((nbytes(t), crc(t)) for t in tensors if t.numel() > 1)
 
 
-def tree_tensors(obj: Any) -> Iterator[torch.Tensor]:
+def tree_items(obj: Any, path: tuple = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key path "a/b/0", tensor) for every tensor of a nested dict/list/tuple; keys as strings, so a live
+    state dict and a loaded one line up."""
     if torch.is_tensor(obj):
-        yield obj
+        yield "/".join(map(str, path)), obj
     elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from tree_tensors(v)
+        for k, v in obj.items():
+            yield from tree_items(v, path + (k,))
     elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from tree_tensors(v)
+        for i, v in enumerate(obj):
+            yield from tree_items(v, path + (i,))
+
+
+def tree_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    return (t for _, t in tree_items(obj))
 
 
 @contextlib.contextmanager
@@ -194,13 +207,6 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def fsync_tree(path: Path) -> None:
-    for root, dirs, files in os.walk(path):
-        for n in files:
-            fsync_path(Path(root) / n)
-        fsync_path(Path(root))
 
 
 def evict(path: Path) -> None:
@@ -378,21 +384,25 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-# --------------------------------------------------------------------------- stats / table
+# fixed glibc thresholds for processes whose peaks are measured: big buffers are mmapped and handed back on
+# free, so memory freed by an earlier phase is not silently reused (which would hide part of the next peak)
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 
 
-@dataclass
-class Row:
-    name: str
-    kind: str  # "save" | "load"
-    seconds: list[float] = field(default_factory=list)
-    disk: list[int] = field(default_factory=list)  # bytes on disk after / written by the op
-    peak: list[int] = field(default_factory=list)  # bytes above the post-build RSS
-    note: str = ""
+class PeakRSS:
+    """Peak RSS above the RSS at ``start()``: gc, malloc_trim, RSS, then the high-water mark reset."""
 
-    @property
-    def median(self) -> float | None:
-        return statistics.median(self.seconds) if self.seconds else None
+    def start(self) -> None:
+        gc.collect()
+        malloc_trim()
+        self.base = rss_bytes()
+        self.ok = reset_peak_rss()
+
+    def peak(self) -> int | None:
+        return max(0, peak_rss_bytes() - self.base) if self.ok else None
+
+
+# --------------------------------------------------------------------------- table / formatting
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -401,39 +411,8 @@ def fmt_bytes(n: float | None) -> str:
     return f"{n / MiB:,.0f} MiB" if n >= 10 * MiB or n == 0 else f"{n / MiB:,.2f} MiB"
 
 
-def render_table(rows: list[Row], state_bytes: int, refs: dict[str, tuple[str, str]],
-                 show_peak: bool) -> str:
-    """refs: row name -> (name of its torch baseline row, name of its raw baseline row)."""
-    by_name = {r.name: r for r in rows}
-    head = ["method", "median s", "min-max s", "GB/s", "x torch", "x raw", "on disk"]
-    if show_peak:
-        head.append("peak RSS+")
-    head.append("note")
-    lines = [head]
-    for r in rows:
-        med = r.median
-        t_ref, raw_ref = refs.get(r.name, ("", ""))
-
-        def ratio(ref: str) -> str:
-            rr = by_name.get(ref)
-            if med is None or rr is None or not rr.median:
-                return "n/a"
-            return f"{med / rr.median:.2f}"
-
-        cells = [
-            r.name,
-            f"{med:.3f}" if med is not None else "n/a",
-            f"{min(r.seconds):.3f}-{max(r.seconds):.3f}" if r.seconds else "n/a",
-            f"{state_bytes / med / 1e9:.2f}" if med else "n/a",
-            ratio(t_ref),
-            ratio(raw_ref),
-            fmt_bytes(statistics.median(r.disk)) if r.disk else "",
-        ]
-        if show_peak:
-            cells.append(fmt_bytes(max(r.peak)) if r.peak else "n/a")
-        cells.append(r.note)
-        lines.append(cells)
-    return align_table(lines)
+def mib(n: float | None, nd: int = 1) -> str:
+    return "n/a" if n is None else f"{n / MiB:,.{nd}f}"
 
 
 def align_table(lines: list[list]) -> str:
@@ -450,14 +429,6 @@ def align_table(lines: list[list]) -> str:
     return "\n".join(out)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def __call__(self) -> float:
-        return time.perf_counter() - self.t0
-
-
 def gb(n: int) -> str:
     return f"{n / 1e9:.3f} GB"
 
@@ -467,3 +438,122 @@ def fmt_note(e: BaseException) -> str:
     msg = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
     return msg if len(msg) <= 70 else msg[:67] + "..."
 
+
+# --------------------------------------------------------------------------- the anchors: torch.save, DCP
+
+
+def torch_save_fsync(obj: Any, path: Path) -> int:
+    """``torch.save(obj)`` into ``path``, then fsync of the file and its folder (durable, as a ckptstore
+    commit is). Returns the file's bytes."""
+    with open(path, "wb") as fh:
+        torch.save(obj, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    fsync_path(path.parent)
+    return path.stat().st_size
+
+
+def quiet_dcp() -> None:
+    """DCP without a process group warns on every call ("torch.distributed is disabled ..."), and its
+    deprecations are FutureWarnings: neither says anything about the figures."""
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed is disabled.*")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed.*")
+
+
+class AppState:
+    """The DCP tutorial's Stateful: model + optimizer through get_state_dict / set_state_dict (FQN keys; the
+    live tensors, so ``dcp.load`` loads in place). Both libraries save ``{"app": AppState(model, optim)}``."""
+
+    def __init__(self, model: nn.Module, optim: torch.optim.Optimizer):
+        self.model, self.optim = model, optim
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        m, o = get_state_dict(self.model, self.optim)
+        return {"model": m, "optim": o}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        set_state_dict(self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+def result_note(res: Any) -> str:
+    """A ckptstore ``SaveResult`` in a few words: bytes written, new blobs, blobs, stall_seconds."""
+    parts = []
+    for attr, label in (("bytes_written", "written"), ("blobs_new", "new blobs"), ("blobs_total", "blobs")):
+        v = getattr(res, attr, None)
+        if isinstance(v, int):
+            parts.append(f"{label} {fmt_bytes(v) if attr == 'bytes_written' else v}")
+    v = getattr(res, "stall_seconds", None)
+    if isinstance(v, (int, float)):
+        parts.append(f"stall_seconds {v:.3f}")
+    return ", ".join(parts)
+
+
+def count_files(root: Path, step: int) -> dict[str, dict[str, int]]:
+    """Files under a store root by area: objects, packs, steps/<step>, root (files directly in the root: marker,
+    latest pointer), other:<dir>; per area: files, apparent bytes, allocated bytes (st_blocks), plus folders."""
+    out: dict[str, dict[str, int]] = {}
+    for dirpath, dirs, files in os.walk(root):
+        parts = Path(dirpath).relative_to(root).parts
+        if not parts:
+            area = "root"
+        elif parts[0] in ("objects", "packs"):
+            area = parts[0]
+        elif parts[0] == "steps" and (len(parts) == 1 or (parts[1].isdigit() and int(parts[1]) == step)):
+            area = "steps/<step>"                     # the step's folder (and steps/ itself, on a fresh store)
+        else:
+            area = "other:" + "/".join(parts[:2])
+        rec = out.setdefault(area, {"files": 0, "bytes": 0, "allocated": 0, "dirs": 0})
+        rec["dirs"] += len(dirs)
+        for n in files:
+            st = os.lstat(os.path.join(dirpath, n))
+            rec["files"] += 1
+            rec["bytes"] += st.st_size
+            rec["allocated"] += st.st_blocks * 512
+    out["total"] = {k: sum(v[k] for v in out.values()) for k in ("files", "bytes", "allocated", "dirs")}
+    return out
+
+
+# --------------------------------------------------------------------------- processes, moto
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu(pids: list[int]) -> float:
+    """user+system CPU seconds of ``pids`` (all their threads), e.g. the moto server's."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])      # utime, stime
+        except OSError:
+            pass
+    return total / CLK_TCK
+
+
+def self_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+@contextlib.contextmanager
+def cpu_seconds(server_pids: list[int]) -> Iterator[dict[str, float]]:
+    """The yielded dict gets ``moto_cpu`` (CPU seconds of the server's processes) and ``client_cpu`` (of
+    this process) spent in the block."""
+    out: dict[str, float] = {}
+    m0, c0 = proc_cpu(server_pids), self_cpu()
+    yield out
+    out.update(moto_cpu=proc_cpu(server_pids) - m0, client_cpu=self_cpu() - c0)
+
+
+def boto3_client(server: Any, concurrency: int = 8) -> Any:
+    """A boto3 S3 client for a backends.launcher.S3Server (path-style, pool >= ``concurrency``)."""
+    import boto3
+    from botocore.config import Config
+    return boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=server.key,
+                        aws_secret_access_key=server.secret, region_name=server.region,
+                        config=Config(s3={"addressing_style": "path"}, max_pool_connections=max(10, concurrency)))
