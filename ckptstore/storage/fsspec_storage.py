@@ -13,7 +13,7 @@ from typing import List, Optional
 import fsspec
 
 from ..redact import redact, register_secrets, split_userinfo
-from .base import Buffer, Storage, scatter
+from .base import Buffer, BytesReads, Storage
 
 
 def _redact(url: str) -> str:
@@ -31,7 +31,8 @@ def _is_precondition_failure(e: BaseException) -> bool:
 LANDED_MAX = 1 << 20      # bytes: conditional writes read back after a failed precondition (metadata, not data)
 
 
-class FsspecStorage(Storage):
+class FsspecStorage(BytesReads, Storage):
+    """Ranged reads and reads into a buffer: one GET each, its body copied into the buffer (:class:`BytesReads`)."""
     coalesce_gap = 4 << 20              # one request costs ~ms; 4 MiB at ~100-400 MB/s costs about as much
     def __init__(self, url: str, storage_options: Optional[dict] = None):
         options = dict(storage_options or {})
@@ -85,18 +86,9 @@ class FsspecStorage(Storage):
         text = f"{type(e).__name__} {e}".lower()
         return "416" in text.replace(",", " ").split() or "invalidrange" in text or "not satisfiable" in text
 
-    def read_range_into(self, path: str, offset: int, out: memoryview) -> int:
-        """One ranged GET (``Range: bytes=offset-end``)."""
-        return self.read_range_scatter(path, offset, [out])
-
-    def read_range_scatter(self, path: str, offset: int, bufs) -> int:
-        """One ranged GET; the response is copied into ``bufs`` (it is in memory anyway)."""
-        total = sum(len(b) for b in bufs)
-        if not total:
-            return 0
-        data = self.fs.cat_file(self._p(path), start=offset, end=offset + total)
-        scatter(memoryview(data), bufs)
-        return len(data)
+    def read_range_bytes(self, path: str, offset: int, length: int) -> bytes:
+        """One ranged GET (``Range: bytes=offset-(offset+length-1)``)."""
+        return self.fs.cat_file(self._p(path), start=offset, end=offset + length) if length > 0 else b""
 
     def size(self, path: str) -> Optional[int]:
         """One metadata request: S3 HeadObject / GCS object GET (``fs.info`` would also LIST the key as a
