@@ -9,6 +9,9 @@ The deadline counts from the call's start, or from the moment the storage it tal
 that is earlier (:class:`Outage`, kept per remote storage by :mod:`ckptstore.storage.retrying`): a call made
 during an outage does not get a fresh deadline of its own, so a sequence of calls (a close: the last upload,
 then the in-flight marker, then the writer lease) ends within one deadline of the outage, not one each.
+
+The backoff's jitter comes from a generator of ckptstore's own, never from Python's global ``random`` (issue
+26: the caller's random draws must not depend on whether, or when, a request was retried).
 """
 from __future__ import annotations
 
@@ -28,6 +31,9 @@ from .errors import CheckpointError, UploadError
 
 log = logging.getLogger("ckptstore")
 T = TypeVar("T")
+
+#: the backoff's jitter: a private generator, so retries never move the caller's global ``random``
+_JITTER = random.Random()
 
 _TRANSIENT_WORDS = ("timeout", "timed out", "throttl", "slowdown", "slow down", "too many requests",
                     "connection", "reset by peer", "broken pipe", "temporarily", "serviceunavailable",
@@ -136,7 +142,7 @@ class RetryPolicy:
     """``deadline``: seconds one logical operation (e.g. one blob upload) may take in total, retries included,
     counted from its start or from the moment the storage stopped answering, whichever is earlier.
     ``op_timeout``: seconds one attempt may take before it counts as stalled. Backoff doubles from
-    ``backoff`` up to ``max_backoff`` seconds, with full jitter. Every call to a
+    ``backoff`` up to ``max_backoff`` seconds, with full jitter (from a private generator). Every call to a
     remote storage runs under the store's policy (:mod:`ckptstore.storage.retrying`), so ``Store.close()``
     returns or raises within about ``deadline + 2 x op_timeout`` seconds of the store going silent."""
     deadline: float = 300.0
@@ -183,7 +189,7 @@ class RetryPolicy:
                                       f"(deadline {self.deadline:.0f} s" +
                                       (f", no answer for {silent:.1f} s" if silent > elapsed + 0.05 else "") +
                                       f"): {type(e).__name__}: {e}") from None
-                sleep = min(self.max_backoff, self.backoff * 2 ** (attempt - 1)) * random.random()
+                sleep = min(self.max_backoff, self.backoff * 2 ** (attempt - 1)) * _JITTER.random()
                 sleep = min(sleep, max(0.0, self.deadline - silent))
                 log.info("%s: attempt %d failed (%s: %s); retrying in %.2f s", what, attempt, type(e).__name__,
                          e, sleep)
