@@ -10,7 +10,7 @@ nested dict (``load``) or into ``state`` in place (``restore``, ``resume``), fro
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, Iterable, List, MutableMapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, MutableMapping, Optional, Tuple, TypeVar
 
 from . import hub
 from . import retention as _retention
@@ -28,9 +28,10 @@ from .resume import first_valid_step, parts_needed, restore_into
 from .runconfig import differences
 from .state import gc_paused
 from .storage import open_storage
-from .storage.retrying import with_read_retries
+from .storage.retrying import RetryingStorage, with_retries
 
 log = logging.getLogger("ckptstore")
+T = TypeVar("T")
 
 Tier = Tuple[int, str]          # (step, "local" | "remote")
 
@@ -55,9 +56,9 @@ class Loader:
 
     # -- listing and choosing -----------------------------------------------------------------------------
     def remote_reader(self) -> Tuple[Catalog, BlobStore]:
-        """The remote's catalog and blobs for reading a step in place (its reads retried, see
-        :func:`~ckptstore.storage.retrying.with_read_retries`)."""
-        remote = with_read_retries(self.p.remote_storage, self.p.retry)
+        """The remote's catalog and blobs for reading a step in place (its calls retried, see
+        :mod:`ckptstore.storage.retrying`)."""
+        remote = with_retries(self.p.remote_storage, self.p.retry)
         return Catalog(remote, self.p.decoded), BlobStore(remote, quarantine=False)
 
     def _catalog(self, tier: str) -> Catalog:
@@ -80,13 +81,23 @@ class Loader:
         """``(candidates newest first, remote reachable)`` (:func:`ckptstore.resolve.candidates`); an unreachable
         remote is logged and the local steps alone are listed: it must not block a local resume."""
         try:
-            return list(candidates(self.p.catalog, remote_catalog, newest_only=newest_only)), True
+            return self._listed_once(lambda: list(candidates(self.p.catalog, remote_catalog,
+                                                             newest_only=newest_only))), True
         except Exception as e:
             if remote_catalog is None:
                 raise
             log.warning("remote %s unreachable (%s: %s): local steps only", self.p.remote_storage.url,
                         type(e).__name__, e)
             return [(s, "local") for s in reversed(self.p.catalog.committed_steps())], False
+
+    def _listed_once(self, fn: Callable[[], T]) -> T:
+        """``fn()``, which lists the remote, as ONE attempt abandoned after the retry policy's ``op_timeout``
+        seconds (:meth:`RetryingStorage.call <ckptstore.storage.retrying.RetryingStorage.call>`): an unreachable
+        or silent remote must not hold up a resume from local steps for the whole deadline."""
+        remote = self.p.remote_storage
+        if not isinstance(remote, RetryingStorage):
+            return fn()
+        return remote.call(fn, f"list the steps of {remote.url}", attempts=1)
 
     def find(self, name: str) -> Optional[int]:
         for s, tier in self.candidates():
@@ -110,13 +121,18 @@ class Loader:
                 continue
         if p.remote_storage is not None:
             remote = Catalog(p.remote_storage)
-            try:
+
+            def remote_commits():
+                found = {}
                 for s in remote.committed_steps():
                     if s not in commits:
                         try:
-                            commits[s] = remote.read_commit(s)
+                            found[s] = remote.read_commit(s)
                         except CheckpointError:
                             continue
+                return found
+            try:
+                commits.update(self._listed_once(remote_commits))
             except Exception as e:
                 log.warning("best_step: remote %s unreachable (%s: %s): local steps only", p.remote_storage.url,
                             type(e).__name__, e)
@@ -149,7 +165,7 @@ class Loader:
                 url, step = split_load_path(self.load_path)
                 if step is None and hub.open_weights(url, p.storage_options) is not None:
                     return [None, "load_path"]
-                catalog = Catalog(with_read_retries(open_storage(url, p.storage_options), p.retry))
+                catalog = Catalog(open_storage(url, p.storage_options, retry=p.retry))
                 for s in ([step] if step is not None else reversed(catalog.committed_steps())):
                     if quiet(lambda: catalog.read_commit(s) is not None):
                         return [s, "load_path"]
@@ -396,10 +412,10 @@ class Loader:
         p = self.p
         url, step = split_load_path(self.load_path)
         if step is None:
-            weights = hub.open_weights(url, p.storage_options, wrap=lambda s: with_read_retries(s, p.retry))
+            weights = hub.open_weights(url, p.storage_options, wrap=lambda s: with_retries(s, p.retry))
             if weights is not None:                  # Hub-format weights (safetensors): a weights-only start
                 return self._start_from_weights(state, *weights)
-        storage = with_read_retries(open_storage(url, p.storage_options), p.retry)
+        storage = open_storage(url, p.storage_options, retry=p.retry)
         catalog, blobs = Catalog(storage), BlobStore(storage, quarantine=False)
         steps = [step] if step is not None else list(reversed(catalog.committed_steps()))
         if step is not None and not catalog.is_committed(step):

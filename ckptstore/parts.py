@@ -66,7 +66,7 @@ class Parts:
         self.metrics_cache: Dict[int, Mapping[str, Any]] = {}          # local step -> metrics (retention)
         self.remote_metrics_cache: Dict[int, Mapping[str, Any]] = {}   # remote step -> metrics (uploader)
         self.retry = remote.retry if remote is not None else RetryPolicy()   # remote and load_path calls
-        self.remote_storage: Optional[Storage] = (open_storage(remote.url, self.storage_options)
+        self.remote_storage: Optional[Storage] = (open_storage(remote.url, self.storage_options, retry=self.retry)
                                                   if remote is not None else None)
         self.uploader: Optional[Uploader] = None
         self.upload_args: Optional[Dict[str, Any]] = None   # how to make a node's parts uploader, if any

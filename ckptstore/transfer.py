@@ -30,7 +30,7 @@ from .manifest import ChunkRef, Commit, Manifest, encode_commit, encode_manifest
 from .packs import MAX_SPAN, PackBuffers, Packing, ReadItem, coalesce, plan_packs
 from .repack import copy_chunks, repoint
 from .retry import RetryPolicy
-from .storage.retrying import with_read_retries
+from .storage.retrying import with_retries
 from .threads import background_pool
 
 log = logging.getLogger("ckptstore")
@@ -113,7 +113,7 @@ class StepCopier:
                  pack_target: int = Packing().target_size):
         self.retry = retry or RetryPolicy()
         # a remote source's reads are retried beneath the catalog, which reads a failed read as damage
-        self.src = with_read_retries(src, self.retry)
+        self.src = with_retries(src, self.retry)
         self.dst = dst
         self.ranged = ranged if dst.local_path("") is not None else None
         self.pack_target = pack_target
@@ -626,6 +626,9 @@ class StepCopier:
                     stats.blobs_copied += 1
                     stats.bytes_copied += sent
             except BaseException as e:
+                if error is None:              # the step fails: objects not started yet are not copied (each
+                    for g in futures:          # would wait out an attempt against a silent store, issue 26)
+                        g.cancel()
                 error = error or e
         if error is not None:
             raise error

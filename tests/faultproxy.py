@@ -16,7 +16,10 @@ fate drawn from a seeded generator:
   one of the two per answer. Two damaged answers in a row to the same request line never carry the same bad
   bytes (a fault of the network, not of the object);
 * ``ok``: forwarded; while faults are on, closed after a short random lifetime (maybe mid-request), so
-  keep-alive clients keep meeting new fates.
+  keep-alive clients keep meeting new fates;
+* ``blackhole = True`` (independent of ``faults``): the server stops answering: every connection, new or open,
+  still accepts bytes, and nothing more crosses in either direction (a server that accepts requests and never
+  answers, issue 26 item 6); set it back to False and open connections carry bytes again.
 Only 127.0.0.1 is ever listened on or connected to. ``counts`` tells how many connections met each fate.
 """
 from __future__ import annotations
@@ -47,6 +50,7 @@ class FaultProxy:
         self.damage_kind = "flip"
         self._damage_rng = random.Random(seed + 1)
         self._damage_last: dict = {}            # request line -> the last damage done to its answer
+        self.blackhole = False                  # see the module docstring
         self.counts: Counter = Counter()
         self.port: Optional[int] = None
         self._loop = asyncio.new_event_loop()
@@ -105,6 +109,8 @@ class FaultProxy:
             data = await r.read(65536)
             if not data:
                 break
+            if self.blackhole:
+                continue
             start = 0
             if (skip is None and self.corrupt_bodies > 0 and data[:12] in (b"HTTP/1.1 200", b"HTTP/1.1 206")
                     and seen and seen[-1].startswith(b"GET ") and self.corrupt_match in seen[-1]):
@@ -172,6 +178,11 @@ class FaultProxy:
             await w.drain()
 
     async def _handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        if self.blackhole:
+            self.counts["blackhole"] += 1
+            while await cr.read(65536):          # takes the request, never answers
+                pass
+            return cw.close()
         fate = self.rng.choices(self.FATES, self.weights)[0] if self.faults else "ok"
         self.counts[fate] += 1
         try:
@@ -197,7 +208,7 @@ class FaultProxy:
             ur, uw = await asyncio.open_connection("127.0.0.1", self.upstream_port)
             lifetime = self.rng.uniform(0.3, 2.0)
             seen = []                              # request lines sent on this connection, newest last
-            up = asyncio.ensure_future(_pipe(cr, uw, seen))
+            up = asyncio.ensure_future(_pipe(cr, uw, seen, self))
             if fate == "lost":
                 await ur.read(65536)                  # the server answered: it applied the request
                 up.cancel()
@@ -217,11 +228,13 @@ class FaultProxy:
             cw.close()
 
 
-async def _pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter, seen=None) -> None:
+async def _pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter, seen=None, proxy=None) -> None:
     while True:
         data = await r.read(65536)
         if not data:
             break
+        if proxy is not None and proxy.blackhole:
+            continue
         if seen is not None and data[:8].split(b" ")[0] in (b"GET", b"PUT", b"POST", b"HEAD", b"DELETE"):
             seen.append(data.split(b"\r\n", 1)[0])
         w.write(data)

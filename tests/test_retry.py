@@ -63,28 +63,29 @@ class _Flaky:
         return call
 
 
-def test_retrying_reads_retry_transient_errors_and_pass_the_rest_through(tmp_path):
-    """What a resume reading straight from a remote gets: a dropped connection is retried, a missing object
-    is raised at once, writes are not wrapped."""
+def test_a_remote_storage_retries_every_call_and_passes_the_rest_through(tmp_path):
+    """What every remote call gets (resume reading straight from a remote, uploads, leases, deletions): a dropped
+    connection is retried, a missing object is raised at once, past the deadline the call is named."""
     import torch
     from ckptstore.storage import open_storage
-    from ckptstore.storage.retrying import RetryingReads
+    from ckptstore.storage.retrying import RetryingStorage
     local = open_storage(str(tmp_path))
     local.write_atomic("a/b", b"payload")
     flaky = _Flaky(local, fails=2)
-    reads = RetryingReads(flaky, RetryPolicy(deadline=30, backoff=0.01))
-    assert reads.read_bytes("a/b") == b"payload" and flaky.calls.count("read_bytes") == 3
+    remote = RetryingStorage(flaky, RetryPolicy(deadline=30, backoff=0.01))
+    assert remote.read_bytes("a/b") == b"payload" and flaky.calls.count("read_bytes") == 3
     out = torch.zeros(3, dtype=torch.uint8)
-    assert reads.read_range_into("a/b", 2, memoryview(out.numpy())) == 3 and bytes(out.numpy()) == b"ylo"
+    assert remote.read_range_into("a/b", 2, memoryview(out.numpy())) == 3 and bytes(out.numpy()) == b"ylo"
+    assert remote.write_new("a/c", b"x") and flaky.calls.count("write_new") == 3
     flaky.fails = 100
     with pytest.raises(UploadError, match="read_bytes a/b"):           # past the deadline: named
-        RetryingReads(flaky, RetryPolicy(deadline=0.2, backoff=0.01)).read_bytes("a/b")
+        RetryingStorage(flaky, RetryPolicy(deadline=0.2, backoff=0.01)).read_bytes("a/b")
     flaky.fails, flaky.calls = 0, []
     with pytest.raises(FileNotFoundError):
-        reads.read_bytes("missing")
+        remote.read_bytes("missing")
     assert flaky.calls == ["read_bytes"]                                # not retried
-    reads.write_atomic("a/c", b"x")
-    assert local.read_bytes("a/c") == b"x" and reads.url == local.url
+    remote.write_atomic("a/c", b"y")
+    assert local.read_bytes("a/c") == b"y" and remote.url == local.url
 
 
 def test_a_dropped_connection_under_the_catalog_is_retried_not_taken_for_damage(tmp_path):
@@ -94,12 +95,12 @@ def test_a_dropped_connection_under_the_catalog_is_retried_not_taken_for_damage(
     from ckptstore import CheckpointError, Store
     from ckptstore.catalog import Catalog
     from ckptstore.storage import open_storage
-    from ckptstore.storage.retrying import RetryingReads
+    from ckptstore.storage.retrying import RetryingStorage
     with Store(tmp_path / "s") as s:
         s.save({"w": torch.arange(10.0)}, 1)
     with pytest.raises(CheckpointError, match="unreadable"):
         Catalog(_Flaky(open_storage(str(tmp_path / "s")), fails=1)).read_commit(1)
-    catalog = Catalog(RetryingReads(_Flaky(open_storage(str(tmp_path / "s")), fails=1),
-                                    RetryPolicy(deadline=30, backoff=0.01)))
+    catalog = Catalog(RetryingStorage(_Flaky(open_storage(str(tmp_path / "s")), fails=1),
+                                      RetryPolicy(deadline=30, backoff=0.01)))
     commit = catalog.read_commit(1)
     assert catalog.read_manifest(commit, 0).step == 1

@@ -4,9 +4,12 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from ..retry import RetryPolicy
+
 from .base import Storage
 from .fsspec_storage import FsspecStorage
 from .local import LocalStorage
+from .retrying import RetryingStorage, with_retries
 
 
 def is_local(url) -> bool:
@@ -14,12 +17,15 @@ def is_local(url) -> bool:
     return "://" not in url or url.startswith("file://")
 
 
-def open_storage(url, storage_options: Optional[dict] = None, *, direct_io: bool = True) -> Storage:
-    """A path or ``file://`` URL -> :class:`LocalStorage`; any other fsspec URL -> :class:`FsspecStorage`."""
+def open_storage(url, storage_options: Optional[dict] = None, *, direct_io: bool = True,
+                 retry: Optional[RetryPolicy] = None) -> Storage:
+    """A path or ``file://`` URL -> :class:`LocalStorage`; any other fsspec URL -> :class:`FsspecStorage`, every
+    call of which runs under ``retry`` (default ``RetryPolicy()``): per-attempt timeout, retries, deadline
+    (:class:`~ckptstore.storage.retrying.RetryingStorage`)."""
     url = os.fspath(url)
     if is_local(url):
         return LocalStorage(url[len("file://"):] if url.startswith("file://") else url, direct_io=direct_io)
-    return FsspecStorage(url, storage_options)
+    return with_retries(FsspecStorage(url, storage_options), retry if retry is not None else RetryPolicy())
 
 
-__all__ = ["Storage", "LocalStorage", "FsspecStorage", "open_storage", "is_local"]
+__all__ = ["Storage", "LocalStorage", "FsspecStorage", "RetryingStorage", "open_storage", "is_local"]

@@ -37,6 +37,31 @@ def scatter(data: memoryview, bufs: Sequence[memoryview]) -> None:
         pos += n
 
 
+class BytesReads:
+    """Reads into a caller's buffer made of :meth:`Storage.read_bytes` / :meth:`Storage.read_range_bytes`: for
+    storages whose reads arrive as bytes anyway (object stores: the response body), and for
+    :class:`~ckptstore.storage.retrying.RetryingStorage`, whose abandoned attempts must never write into a
+    caller's buffer."""
+
+    def read_into(self, path: str, out: memoryview) -> int:
+        data = self.read_bytes(path)
+        if len(data) > len(out):
+            raise ValueError(f"{path}: {len(data)} bytes do not fit in a buffer of {len(out)}")
+        out[: len(data)] = data
+        return len(data)
+
+    def read_range_into(self, path: str, offset: int, out: memoryview) -> int:
+        return self.read_range_scatter(path, offset, [out])
+
+    def read_range_scatter(self, path: str, offset: int, bufs: Sequence[memoryview]) -> int:
+        total = sum(len(b) for b in bufs)
+        if not total:
+            return 0
+        data = self.read_range_bytes(path, offset, total)
+        scatter(memoryview(data), bufs)
+        return len(data)
+
+
 class Storage(ABC):
     """A flat namespace of files under one root. Implementations must be thread-safe."""
 
@@ -59,11 +84,7 @@ class Storage(ABC):
         Raises ``FileNotFoundError``; a file larger than ``out`` raises ``ValueError`` (nothing is trusted to
         fit). Backends override this to avoid the intermediate copy.
         """
-        data = self.read_bytes(path)
-        if len(data) > len(out):
-            raise ValueError(f"{path}: {len(data)} bytes do not fit in a buffer of {len(out)}")
-        out[: len(data)] = data
-        return len(data)
+        return BytesReads.read_into(self, path, out)
 
     def read_range_into(self, path: str, offset: int, out: memoryview) -> int:
         """Read up to ``len(out)`` bytes of ``path`` starting at byte ``offset`` into ``out``; return how many
@@ -72,6 +93,12 @@ class Storage(ABC):
         data = self.read_bytes(path)[offset: offset + len(out)]
         out[: len(data)] = data
         return len(data)
+
+    def read_range_bytes(self, path: str, offset: int, length: int) -> bytes:
+        """Up to ``length`` bytes of ``path`` from byte ``offset`` (fewer at the end of the file), as new bytes:
+        one ranged read. Raises ``FileNotFoundError``."""
+        out = memoryview(bytearray(length))
+        return bytes(out[: self.read_range_into(path, offset, out)])
 
     def read_range_scatter(self, path: str, offset: int, bufs: Sequence[memoryview]) -> int:
         """Read ``sum(len(b) for b in bufs)`` consecutive bytes of ``path`` from ``offset`` into ``bufs`` in

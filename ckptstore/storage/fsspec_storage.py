@@ -4,16 +4,30 @@ One PUT is atomic on object stores, so ``write_atomic`` is a plain ``pipe_file``
 backend for a create-only write (``mode="create"``: S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0`` on
 one-shot uploads); where the backend cannot, it falls back to check-then-write, which is racy between two
 writers but harmless for content-addressed blobs (both write the same bytes).
+
+The caller's random generators (issue 26, README "Randomness"): the client libraries draw from Python's global
+``random``, at import (s3fs -> httpx -> rich: ``rich/style.py`` takes ``getrandbits(24)``) and in their retry
+jitter, which would run in the I/O threads at moments set by the network. So botocore's own retries are turned
+off (``retries={"total_max_attempts": 1}``: the store's :class:`~ckptstore.retry.RetryPolicy` retries, with a
+generator of its own; s3fs's own retries wait fixed times), the remaining libraries' module-level jitter is
+given a private generator (:data:`PRIVATE_JITTER`), and the first import of a backend runs under
+:func:`_backend_imported`, which puts ``random``'s state back afterwards. Known remainder: gcsfs's batch delete
+(``GCSFileSystem._rm_files``, real GCS only) imports ``random`` inside the function and jitters a retry of the
+objects a batch failed to delete with it.
 """
 from __future__ import annotations
 
+import importlib
+import logging
 import posixpath
+import random
+import threading
 from typing import List, Optional
 
 import fsspec
 
 from ..redact import redact, register_secrets, split_userinfo
-from .base import Buffer, Storage, scatter
+from .base import Buffer, BytesReads, Storage
 
 
 def _redact(url: str) -> str:
@@ -29,9 +43,64 @@ def _is_precondition_failure(e: BaseException) -> bool:
 
 
 LANDED_MAX = 1 << 20      # bytes: conditional writes read back after a failed precondition (metadata, not data)
+log = logging.getLogger("ckptstore")
+
+#: per fsspec protocol, the client-library modules whose jitter draws from the module-level ``random`` they
+#: imported: each gets a private ``random.Random()`` instead (same methods, not the caller's generator).
+#: aiohttp.connector: ``random.shuffle`` of the hosts waiting for a pooled connection; botocore.utils: the
+#: jitter of an instance-metadata credential refresh; gcsfs.retry: every retried request;
+#: google.auth._exponential_backoff: retried credential requests.
+PRIVATE_JITTER = {
+    "s3": ("aiohttp.connector", "botocore.utils"),
+    "gs": ("aiohttp.connector", "gcsfs.retry", "google.auth._exponential_backoff"),
+}
+PRIVATE_JITTER.update(s3a=PRIVATE_JITTER["s3"], gcs=PRIVATE_JITTER["gs"])
+_loaded: set = set()
+_loading = threading.Lock()
 
 
-class FsspecStorage(Storage):
+def _backend_imported(protocol: str) -> None:
+    """Import the fsspec backend of ``protocol`` and its client libraries, once per process, giving their
+    jitter a private generator (:data:`PRIVATE_JITTER`), with Python's ``random`` state put back afterwards
+    (import-time draws, e.g. rich's). The only place ckptstore saves and restores a global generator for
+    another library's sake: an import happens once, in the thread that opens the store (issue 26)."""
+    with _loading:
+        if protocol in _loaded:
+            return
+        state = random.getstate()
+        try:
+            try:
+                fsspec.get_filesystem_class(protocol)
+            except (ImportError, ValueError):
+                return                                # url_to_fs says what is missing
+            for name in PRIVATE_JITTER.get(protocol, ()):
+                try:
+                    module = importlib.import_module(name)
+                except ImportError:
+                    continue
+                if getattr(module, "random", None) is random:
+                    module.random = random.Random()
+            _loaded.add(protocol)
+        finally:
+            random.setstate(state)
+
+
+def _without_client_retries(options: dict) -> dict:
+    """s3fs options with botocore's own retries off: its backoff draws from Python's global ``random``
+    (``botocore/retries/standard.py``, ``ExponentialBackoff(random=random.random)``; legacy mode's
+    ``delay_exponential`` likewise), in the I/O threads. The store's RetryPolicy retries instead."""
+    config = dict(options.get("config_kwargs") or {})
+    asked = dict(config.get("retries") or {})
+    if max(asked.get("total_max_attempts", 1), asked.get("max_attempts", 0) + 1) > 1:
+        log.info("botocore retries %s replaced by the store's RetryPolicy (botocore's backoff draws from "
+                 "Python's global random)", asked)
+    asked.pop("max_attempts", None)
+    config["retries"] = dict(asked, total_max_attempts=1)
+    return dict(options, config_kwargs=config)
+
+
+class FsspecStorage(BytesReads, Storage):
+    """Ranged reads and reads into a buffer: one GET each, its body copied into the buffer (:class:`BytesReads`)."""
     coalesce_gap = 4 << 20              # one request costs ~ms; 4 MiB at ~100-400 MB/s costs about as much
     def __init__(self, url: str, storage_options: Optional[dict] = None):
         options = dict(storage_options or {})
@@ -49,6 +118,10 @@ class FsspecStorage(Storage):
                     options.setdefault("secret", password)
                 url = bare
         self.url = _redact(url)
+        protocol = fsspec.core.split_protocol(url)[0] or "file"
+        _backend_imported(protocol)
+        if protocol in ("s3", "s3a"):
+            options = _without_client_retries(options)
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **options)
         except Exception as e:                      # the library's message may quote the URL or the options
@@ -85,18 +158,9 @@ class FsspecStorage(Storage):
         text = f"{type(e).__name__} {e}".lower()
         return "416" in text.replace(",", " ").split() or "invalidrange" in text or "not satisfiable" in text
 
-    def read_range_into(self, path: str, offset: int, out: memoryview) -> int:
-        """One ranged GET (``Range: bytes=offset-end``)."""
-        return self.read_range_scatter(path, offset, [out])
-
-    def read_range_scatter(self, path: str, offset: int, bufs) -> int:
-        """One ranged GET; the response is copied into ``bufs`` (it is in memory anyway)."""
-        total = sum(len(b) for b in bufs)
-        if not total:
-            return 0
-        data = self.fs.cat_file(self._p(path), start=offset, end=offset + total)
-        scatter(memoryview(data), bufs)
-        return len(data)
+    def read_range_bytes(self, path: str, offset: int, length: int) -> bytes:
+        """One ranged GET (``Range: bytes=offset-(offset+length-1)``)."""
+        return self.fs.cat_file(self._p(path), start=offset, end=offset + length) if length > 0 else b""
 
     def size(self, path: str) -> Optional[int]:
         """One metadata request: S3 HeadObject / GCS object GET (``fs.info`` would also LIST the key as a
