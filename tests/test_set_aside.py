@@ -10,9 +10,7 @@ job is relaunched twice.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,8 +26,8 @@ from ckptstore.pointers import decode_pointer
 from ckptstore.storage import open_storage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dist import REPO, Job  # noqa: E402
-from helpers import blobs_of_key, step_dir  # noqa: E402
+from dist import Job  # noqa: E402
+from helpers import blobs_of_key  # noqa: E402
 from test_memory_tier import read_losses, tmpfs_dirs, wipe_mount  # noqa: E402,F401  (tmpfs_dirs: a fixture)
 from training import check_against_reference  # noqa: E402
 
@@ -47,11 +45,12 @@ def fresh():
 
 
 def ls_json(url: str, *extra: str) -> List[dict]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    p = subprocess.run([sys.executable, "-m", "ckptstore.cli", "ls", url, "--json", *extra], capture_output=True,
-                       text=True, timeout=120, env=env)
-    assert p.returncode == 0, p.stderr
-    return json.loads(p.stdout)
+    """``ckptstore ls URL --json ...`` (the command, run in this process)."""
+    from click.testing import CliRunner
+    from ckptstore.cli import main
+    r = CliRunner().invoke(main, ["ls", url, "--json", *extra])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
 
 
 def asides(root: Path) -> List[str]:
