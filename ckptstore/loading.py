@@ -249,28 +249,39 @@ class Loader:
         would make the run's next save of that step number a rewind), its uploader first held still and its
         waiting uploads of them dropped; rank 0's uploader is told to set aside the remote's committed steps in
         ``(step, newest step this resume listed]`` before anything else it does (only when the listing reached
-        the remote: steps the resume never saw are left alone). Collective under torch.distributed, like
-        ``resume``: the ranks agree before any saves; a failure raises on every rank. Nothing on a read-only
-        store."""
+        the remote: steps the resume never saw are left alone). Only the job that writes the roots changes
+        them: when any root holds such a step, rank 0 first takes its writer lease (``CheckpointError`` on
+        every rank, naming the holder, when another live job has it). Collective under torch.distributed, like
+        ``resume`` (one gather, one broadcast, then the ranks' agreement, before any rank saves); a failure
+        raises on every rank. Nothing on a read-only store."""
         p = self.p
         if p.read_only:
             return
-        error: Optional[BaseException] = None
+        newer = any(step is None or s > step for s in p.catalog.committed_steps())
         leader, tag = p.rank == 0, None          # without a process group the ranks share rank 0's root
         if p.coord is not None:
             tag = p.coord.next_tag("set-aside")
             where = root_identity(p.storage.local_path(""))
-            reports = p.coord.gather(f"{tag}/where", {"where": where}, p.collective_timeout)
-            leaders = None
+            reports = p.coord.gather(f"{tag}/roots", {"where": where, "newer": newer}, p.collective_timeout)
+            verdict = None
             if p.rank == 0:
                 first: Dict[bytes, int] = {}
                 for r, rep in enumerate(reports):
                     first.setdefault(bytes(rep["where"]), r)
-                leaders = sorted(first.values())
-            leader = p.rank in p.coord.broadcast(f"{tag}/leaders", {"leaders": leaders},
-                                                 p.collective_timeout)["leaders"]
+                verdict = {"leaders": sorted(first.values()), "error": None}
+                if any(rep["newer"] for rep in reports):
+                    try:
+                        p.hold_writer_lease()
+                    except CheckpointError as e:
+                        verdict["error"] = str(e)[:2000]
+            verdict = p.coord.broadcast(f"{tag}/leaders", verdict, p.collective_timeout)
+            if verdict["error"] is not None:
+                raise CheckpointError(f"resume from step {step}: cannot set aside the newer steps: "
+                                      f"{verdict['error']}")
+            leader = p.rank in verdict["leaders"]
+        error: Optional[BaseException] = None
         try:
-            if leader:
+            if leader and newer:
                 self._set_aside_local(step)
             if p.writes_remote and self._listed_upto is not None and (step is None or self._listed_upto > step):
                 p.uploader.set_aside_after(step, self._listed_upto)
@@ -284,8 +295,7 @@ class Loader:
 
     def _set_aside_local(self, step: Optional[int]) -> None:
         p = self.p
-        if not any(step is None or s > step for s in p.catalog.committed_steps()):
-            return
+        p.hold_writer_lease()                   # rank 0: only the job that writes this root changes its timeline
         uploader = p.uploader
         with (uploader.paused(drop_after=step if step is not None else -1) if uploader is not None
               else contextlib.nullcontext()):

@@ -21,6 +21,7 @@ import torch
 
 from ckptstore import Packing, Remote, Store, Writing
 from ckptstore import gc as gc_module
+from ckptstore.errors import CheckpointError
 from ckptstore.layout import LATEST
 from ckptstore.pointers import decode_pointer
 from ckptstore.storage import open_storage
@@ -96,6 +97,26 @@ def test_resume_past_a_damaged_newest_step_sets_it_aside_and_saves_on(tmp_path, 
         assert s.resume(state) == 4 and torch.equal(state["w"], state_at(4)["w"])
         assert s.verify() == {1: None, 2: None, 3: None, 4: None}
         assert torch.equal(s.load(3)["w"], state_at(103)["w"])
+
+
+def test_only_the_job_holding_the_writer_lease_sets_steps_aside(tmp_path):
+    """A second store resuming the root while a live job writes it (its lease held) is refused, naming the
+    holder, instead of moving that job's steps aside; once the writer is gone it goes on."""
+    root = tmp_path / "run"
+    writer = Store(root, writing=Writing(packing=SMALL))
+    try:
+        for step in (1, 2, 3):
+            writer.save(state_at(step), step)
+        for f in blobs_of_key(writer, 3, ("w",)):
+            f.unlink()
+        with Store(root, writing=Writing(packing=SMALL)) as other:
+            with pytest.raises(CheckpointError, match="already has a writer"):
+                other.resume(fresh())
+            assert other.steps() == [1, 2, 3] and asides(root) == []
+    finally:
+        writer.close()
+    with Store(root, writing=Writing(packing=SMALL)) as s:
+        assert s.resume(fresh()) == 2 and s.steps() == [1, 2] and len(asides(root)) == 1
 
 
 def test_remote_steps_that_failed_are_set_aside_and_the_pointer_moves_back(tmp_path, s3_bucket_url):
