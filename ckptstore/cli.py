@@ -514,6 +514,9 @@ def gc_cmd(root, keep_last, keep_every, keep_best, metric, mode, grace_seconds, 
     console.print(_t(f"{verb} {r.blobs_deleted} blob(s), {r.packs_deleted} pack(s), {_human(r.bytes_freed)}; "
                      f"{len(r.steps_removed)} uncommitted step dir(s) {r.steps_removed or ''}; "
                      f"{r.temp_files_removed} temp file(s)"), soft_wrap=True)
+    if r.asides_removed:
+        console.print(_t(f"{verb} {len(r.asides_removed)} set-aside step(s): {', '.join(r.asides_removed)}"),
+                      soft_wrap=True)
     if r.packs_repacked:
         console.print(_t(f"repacked {r.packs_repacked} pack(s) into {r.packs_written} ({_human(r.bytes_repacked)} "
                          f"live), steps {r.steps_rewritten}"))

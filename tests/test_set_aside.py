@@ -226,7 +226,7 @@ def test_plain_store_on_node_local_disks_continues_past_a_lost_nodes_newer_steps
     res = job("--steps", "10").check(240)
     assert {r: out["resumed"] for r, out in res.items()} == {0: 4, 1: 4}, res
     assert [n.split(".")[0] for n in asides(d / "disk0")] == [f"{5:012d}", f"{6:012d}"]
-    assert committed(d / "disk0") == committed(d / "disk1") == [9, 10]
+    assert committed(d / "disk0")[-2:] == committed(d / "disk1")[-2:] == [9, 10]   # (8 may wait for its upload)
     assert remote_steps(url, so) == [4, 8]
     assert decode_pointer(open_storage(url, so).read_bytes(LATEST)) == 8
 
@@ -264,7 +264,7 @@ def test_memory_tier_node_loss_with_newer_disk_steps_on_the_other_node(tmp_path,
     res = job("--steps", "16").check(240)
     assert {r: out["resumed"] for r, out in res.items()} == {0: 8, 1: 8}, res
     assert [n.split(".")[0] for n in asides(d / "disk0")] == [f"{10:012d}", f"{12:012d}"]
-    assert committed(d / "disk0") == committed(d / "disk1") == [14, 16]
+    assert committed(d / "disk0")[-2:] == committed(d / "disk1")[-2:] == [14, 16]
     assert committed(d / "mem0")[-1] == committed(d / "mem1")[-1] == 16
     assert remote_steps(url, so) == [8, 16]
 
