@@ -153,7 +153,7 @@ def _collect(storage, catalog, blobs, report, deleter, grace_seconds, force, kee
                     deleter.deleted = True
                     storage.rmtree(sd)
     def live_sets(report):
-        """What committed steps reference, and the steps set aside less than the grace period ago."""
+        """What the committed steps reference, and the set-aside steps gc keeps still."""
         blobs_, packs_ = referenced(catalog, committed, report)
         for a in kept_asides:
             try:

@@ -372,11 +372,13 @@ class MemoryTier:
         if self.p.rank in leaders:
             try:
                 newer = [s for s in self.p.catalog.step_dirs() if step is None or s > step]
+                committed = [s for s in newer if self.p.catalog.is_committed(s)]
                 for s in newer:
                     self._drop(s)
-                if newer:
-                    log.warning("memory tier %s: dropped steps %s, newer than the step resumed from (%s)",
-                                self.p.root, newer, step)
+                if newer:             # an uncommitted one is a save the kill interrupted: routine
+                    log.log(logging.WARNING if committed else logging.INFO, "memory tier %s: dropped steps %s "
+                            "(committed: %s), newer than the step resumed from (%s)", self.p.root, newer,
+                            committed, step)
             except Exception as e:
                 error = e
         if self.p.coord is not None:            # no rank saves before every leader has dropped them
