@@ -228,14 +228,21 @@ def _shape(shape) -> str:
 @storage_options_opt
 def ls_cmd(root, remote, as_json, metric, mode, storage_options):
     """List the steps of a store: committed ones with time, ranks, size, bytes unique to the step and metrics
-    (latest and best marked), and uncommitted leftovers. With --remote, the steps of both and where each is."""
+    (latest and best marked), uncommitted leftovers, and steps a resume set aside (no longer part of the run).
+    With --remote, the steps of both and where each is."""
+    from .rewind import asides
     from .usage import step_usage
     places = [("local", root)] + ([("remote", remote)] if remote else [])
     seen: Dict[str, Dict[int, Any]] = {}
     usage: Dict[str, Dict[int, Any]] = {}
     dirs: List[int] = []
+    aside_rows: List[Dict[str, Any]] = []
     for name, url in places:
         with _open(url, storage_options) as store:
+            for a in asides(store.storage):
+                aside_rows.append({"step": a.step, "committed": False, "latest": False, "best": False,
+                                   "set_aside": a.name, "resumed": a.resumed, "since": a.since,
+                                   **({"location": name} if remote else {})})
             committed = store.steps()
             seen[name] = _commits(store.catalog, committed)
             usage[name] = step_usage(store.catalog, committed,
@@ -265,6 +272,7 @@ def ls_cmd(root, remote, as_json, metric, mode, storage_options):
                 if u.error:
                     row["error"] = u.error
         rows.append(row)
+    rows = sorted(rows + aside_rows, key=lambda r: (r["step"], "set_aside" in r))
     if as_json:
         click.echo(redact(json.dumps(rows, indent=1, default=str)))
         return
@@ -280,14 +288,18 @@ def ls_cmd(root, remote, as_json, metric, mode, storage_options):
         table.add_column(col, justify="right" if col in ("step", "size", "ranks", "unique") else "left",
                          overflow="fold")
     for r in rows:
-        if not r["committed"]:
+        if "set_aside" in r:
+            state = _t(f"set aside (resumed from {r['resumed'] if r['resumed'] is not None else 'none'})",
+                       "yellow")
+        elif not r["committed"]:
             state = _t("uncommitted", "yellow")
         elif "error" in r:
             state = Text.assemble(_t("damaged", "red"), _t(f": {r['error']}"))
         else:
             marks = [m for m in ("latest", "best") if r[m]]
             state = _t(" ".join(marks) if marks else "committed", "bold" if marks else "")
-        table.add_row(str(r["step"]), state, _created(r["created"]) if "created" in r else "",
+        table.add_row(str(r["step"]), state, _created(r["created"]) if "created" in r else
+                      _created(r["since"]) if r.get("since") is not None else "",
                       str(r.get("world_size", "")),
                       _human(r["bytes_total"]) if "bytes_total" in r else "",
                       _human(r["bytes_unique"]) if r.get("bytes_unique") is not None else "",
@@ -502,6 +514,9 @@ def gc_cmd(root, keep_last, keep_every, keep_best, metric, mode, grace_seconds, 
     console.print(_t(f"{verb} {r.blobs_deleted} blob(s), {r.packs_deleted} pack(s), {_human(r.bytes_freed)}; "
                      f"{len(r.steps_removed)} uncommitted step dir(s) {r.steps_removed or ''}; "
                      f"{r.temp_files_removed} temp file(s)"), soft_wrap=True)
+    if r.asides_removed:
+        console.print(_t(f"{verb} {len(r.asides_removed)} set-aside step(s): {', '.join(r.asides_removed)}"),
+                      soft_wrap=True)
     if r.packs_repacked:
         console.print(_t(f"repacked {r.packs_repacked} pack(s) into {r.packs_written} ({_human(r.bytes_repacked)} "
                          f"live), steps {r.steps_rewritten}"))

@@ -12,7 +12,9 @@ mostly dead pack into a new one (see :mod:`ckptstore.repack`). A pack replaced b
 has been retired for ``grace_seconds`` (readers that opened the old manifest still find it meanwhile).
 
 Also removes what crashes leave behind: uncommitted step directories, manifests their commit marker no longer
-names (replaced by a re-save or a repack), and temp files, each once older than ``grace_seconds``. If any
+names (replaced by a re-save or a repack), and temp files, each once older than ``grace_seconds``; and steps a
+resume set aside (:mod:`ckptstore.rewind`) once they were set aside ``grace_seconds`` ago and at least
+``ASIDE_SECONDS`` ago, the blobs and packs they reference being kept until then. If any
 committed step's metadata cannot be read, no blob is swept (we cannot know what that step references) unless
 ``force`` is given.
 """
@@ -28,8 +30,13 @@ from .layout import (OBJECTS, PACKS, RETIRED, STEPS, check_blob_id, commit_path,
                      parse_blob_name, parse_manifest_name, parse_pack_name, parse_shards_name, shards_path,
                      step_dir)
 from .lease import Deleter
+from .rewind import aside_refs, asides
 
 log = logging.getLogger("ckptstore")
+
+# seconds a step set aside by a resume is kept at least, whatever the grace period of the sweep (retention's
+# sweeps use short ones: the remote's after each upload none at all), so an operator can still look at it
+ASIDE_SECONDS = 3600.0
 
 
 @dataclass
@@ -47,6 +54,7 @@ class GCReport:
     steps_rewritten: List[int] = field(default_factory=list)    # steps whose commit now names new manifests
     manifests_removed: int = 0       # manifests no commit marker names any more
     deferred: List[str] = field(default_factory=list)           # who kept this gc from deleting anything
+    asides_removed: List[str] = field(default_factory=list)     # set-aside step directories (steps/<name>)
 
 
 def referenced(catalog, committed: List[int], report: GCReport):
@@ -117,7 +125,20 @@ def _collect(storage, catalog, blobs, report, deleter, grace_seconds, force, kee
             storage.delete(path)
 
     committed = catalog.committed_steps()
+    kept_asides = []
     if not linked(STEPS):
+        for a in asides(storage):
+            path = f"{STEPS}/{a.name}"
+            if linked(path):
+                continue
+            if a.since is not None and now - a.since < max(grace_seconds, ASIDE_SECONDS):
+                kept_asides.append(a)
+                continue
+            report.asides_removed.append(a.name)
+            if not dry_run:
+                deleter.check()
+                deleter.deleted = True
+                storage.rmtree(path)
         for step in catalog.step_dirs():
             if step in committed or (keep_steps and step in keep_steps):
                 continue
@@ -131,7 +152,21 @@ def _collect(storage, catalog, blobs, report, deleter, grace_seconds, force, kee
                     deleter.check()
                     deleter.deleted = True
                     storage.rmtree(sd)
-    live, live_packs = referenced(catalog, committed, report)
+    def live_sets(report):
+        """What the committed steps reference, and the set-aside steps gc keeps still."""
+        blobs_, packs_ = referenced(catalog, committed, report)
+        for a in kept_asides:
+            try:
+                b, p = aside_refs(storage, a)
+            except (CheckpointError, OSError) as e:     # not a checkpoint: it never stops the sweep
+                log.warning("gc: set-aside step %s/%s/%s is unreadable (%s): its blobs are not kept", storage.url,
+                            STEPS, a.name, e)
+                continue
+            blobs_ |= b
+            packs_ |= p
+        return blobs_, packs_
+
+    live, live_packs = live_sets(report)
     sweep = not report.unreadable_steps or force
     if not sweep:
         log.warning("gc: not sweeping blobs: steps %s are unreadable (repair or delete them, or use force)",
@@ -141,7 +176,7 @@ def _collect(storage, catalog, blobs, report, deleter, grace_seconds, force, kee
         repack_packs(storage, catalog, committed, threshold=repack, report=report, deleter=deleter,
                      buffers=buffers)
         if report.packs_repacked:
-            live, live_packs = referenced(catalog, committed, GCReport())
+            live, live_packs = live_sets(GCReport())
             now = time.time()                     # the packs retired just now count as retired for 0 s
 
     # manifests and shard maps a commit marker no longer names (a re-save or repack replaced them), once the

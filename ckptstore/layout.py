@@ -12,6 +12,7 @@ Layout (format version 2; version 1 is the same without ``packs/`` and manifest 
     steps/<step:012d>/manifest-rank<rank:05d>.msgpack          generation 0
     steps/<step:012d>/manifest-rank<rank:05d>.g<gen>.msgpack   generation gen > 0 (rewritten by a repack)
     steps/<step:012d>/COMMIT       commit marker, written last: makes the step visible
+    steps/<step:012d>.aside-<tag>/ a committed step set aside by a resume from an older step (ASIDE + its files)
     latest                         latest pointer (JSON), names the newest committed step
     quarantine/                    blobs found corrupt on read, moved aside so the next save rewrites them
     locks/                         writer lease, gc lease, in-flight markers, gc epoch, retired packs,
@@ -130,6 +131,24 @@ def parse_shards_name(name: str):
     """``'shards.g2.msgpack'`` -> 2, ``'shards.msgpack'`` -> 0; anything else -> ``None``."""
     m = re.match(r"^shards(?:\.g([1-9][0-9]{0,8}))?\.msgpack$", name)
     return int(m.group(1) or 0) if m else None
+
+
+ASIDE_NAME = "ASIDE"                     # the record a set-aside step directory is written with first
+_ASIDE_DIR_RE = re.compile(r"^([0-9]{12})\.aside-([0-9a-f]{16})$")
+
+
+def aside_dir(step: int, tag: str) -> str:
+    """``steps/<step:012d>.aside-<tag>``: where a step set aside after a resume from an older step lives (see
+    :mod:`ckptstore.rewind`); ``tag`` is 16 lowercase hex (from its commit marker's digest)."""
+    if not re.match(r"^[0-9a-f]{16}$", tag):
+        raise ValueError(f"invalid set-aside tag {tag!r}")
+    return f"{step_dir(step)}.aside-{tag}"
+
+
+def parse_aside_dir(name: str):
+    """``'000000000012.aside-0123456789abcdef'`` -> 12; anything else (a step directory too) -> ``None``."""
+    m = _ASIDE_DIR_RE.match(name)
+    return int(m.group(1)) if m else None
 
 
 def commit_path(step: int) -> str:

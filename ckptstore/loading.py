@@ -9,6 +9,7 @@ nested dict (``load``) or into ``state`` in place (``restore``, ``resume``), fro
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Callable, Dict, Iterable, List, MutableMapping, Optional, Tuple, TypeVar
 
@@ -16,15 +17,18 @@ from . import hub
 from . import retention as _retention
 from .blobs import BlobStore
 from .catalog import Catalog
+from .commit import root_identity
 from .errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError, TransferError
 from .fanout import PeerReadError, ReadOnce
 from .layout import check_step, manifest_path
 from .manifest import Commit
 from .parts import Parts, quiet
+from .pointers import point_away_from
 from .reader import MapLocation, read_nodes
 from .resolve import candidates, split_load_path
 from .restore import StepLoader
-from .resume import first_valid_step, parts_needed, restore_into
+from .resume import agree_outcome, first_valid_step, parts_needed, restore_into
+from .rewind import set_aside_after
 from .runconfig import differences
 from .state import gc_paused
 from .storage import open_storage
@@ -53,6 +57,9 @@ class Loader:
         self._manifests_read = 0
         self._touched = False                       # DTensor targets written in place by a resume attempt
         self.read_once = ReadOnce(parts.rank, parts.world_size, parts.collective_timeout)
+        # rank 0, during a resume: the newest step its candidate listing saw when that listing reached the remote
+        # (None: no remote, or unreachable); the remote's steps above it were never tried, and are left alone
+        self._listed_upto: Optional[int] = None
 
     # -- listing and choosing -----------------------------------------------------------------------------
     def remote_reader(self) -> Tuple[Catalog, BlobStore]:
@@ -249,18 +256,80 @@ class Loader:
     def resume(self, state: MutableMapping[str, Any], *, strict: bool, rank_local: str) -> Optional[int]:
         try:
             found = self._load_newest(state, strict, rank_local)
-            if found is not None:
-                return found[0]
-            if self._touched:
+            if found is None and self._touched:
                 raise CheckpointError(f"no valid step left in {self.p.root} to load into the sharded (DTensor) "
                                       "values that a damaged step partly overwrote: refusing a fresh start with "
                                       "them")
+            self.set_aside_newer(found[0] if found is not None else None)
+            if found is not None:
+                return found[0]
             if self.load_path is not None:
                 return self._resume_from_load_path(state, strict)
             log.info("no valid checkpoint in %s: fresh start", self.p.where())
             return None
         finally:
             self._start_uploads()
+
+    def set_aside_newer(self, step: Optional[int]) -> None:
+        """After a resume chose ``step`` on every rank (``None``: none of the run's steps loads): the leader of
+        each root (its lowest rank) sets aside the root's committed steps newer than ``step``
+        (:func:`ckptstore.rewind.set_aside_after`; none of them loaded on every rank, and left committed each
+        would make the run's next save of that step number a rewind), its uploader first held still and its
+        waiting uploads of them dropped; rank 0's uploader is told to set aside the remote's committed steps in
+        ``(step, newest step this resume listed]`` before anything else it does (only when the listing reached
+        the remote: steps the resume never saw are left alone). Only the job that writes the roots changes
+        them: when any root holds such a step, rank 0 first takes its writer lease (``CheckpointError`` on
+        every rank, naming the holder, when another live job has it). Collective under torch.distributed, like
+        ``resume`` (one gather, one broadcast, then the ranks' agreement, before any rank saves); a failure
+        raises on every rank. Nothing on a read-only store."""
+        p = self.p
+        if p.read_only:
+            return
+        newer = any(step is None or s > step for s in p.catalog.committed_steps())
+        leader, tag = p.rank == 0, None          # without a process group the ranks share rank 0's root
+        if p.coord is not None:
+            tag = p.coord.next_tag("set-aside")
+            where = root_identity(p.storage.local_path(""))
+            reports = p.coord.gather(f"{tag}/roots", {"where": where, "newer": newer}, p.collective_timeout)
+            verdict = None
+            if p.rank == 0:
+                first: Dict[bytes, int] = {}
+                for r, rep in enumerate(reports):
+                    first.setdefault(bytes(rep["where"]), r)
+                verdict = {"leaders": sorted(first.values()), "error": None}
+                if any(rep["newer"] for rep in reports):
+                    try:
+                        p.hold_writer_lease()
+                    except CheckpointError as e:
+                        verdict["error"] = str(e)[:2000]
+            verdict = p.coord.broadcast(f"{tag}/leaders", verdict, p.collective_timeout)
+            if verdict["error"] is not None:
+                raise CheckpointError(f"resume from step {step}: cannot set aside the newer steps: "
+                                      f"{verdict['error']}")
+            leader = p.rank in verdict["leaders"]
+        error: Optional[BaseException] = None
+        try:
+            if leader and newer:
+                self._set_aside_local(step)
+            if p.writes_remote and self._listed_upto is not None and (step is None or self._listed_upto > step):
+                p.uploader.set_aside_after(step, self._listed_upto)
+        except Exception as e:
+            error = e
+        if p.coord is not None:
+            error, _ = agree_outcome(p.coord, tag, step if step is not None else 0, error, error is not None,
+                                     p.collective_timeout)
+        if error is not None:
+            raise error
+
+    def _set_aside_local(self, step: Optional[int]) -> None:
+        p = self.p
+        p.hold_writer_lease()                   # rank 0: only the job that writes this root changes its timeline
+        uploader = p.uploader
+        with (uploader.paused(drop_after=step if step is not None else -1) if uploader is not None
+              else contextlib.nullcontext()):
+            with p.maint:
+                for s in set_aside_after(p.catalog, step, lambda s: point_away_from(p.storage, p.catalog, s)):
+                    p.metrics_cache.pop(s, None)
 
     def _start_uploads(self) -> None:
         if self.p.uploader is not None:        # held back until the restart's reads are done: Uploader.start
@@ -274,6 +343,7 @@ class Loader:
         p = self.p
         self.resumed_from = None
         self._touched = False
+        self._listed_upto = None
         self.read_once.stats = None
         remote_catalog = Catalog(p.remote_storage, p.decoded) if p.remote_storage is not None else None
         pulled: set = set()
@@ -288,6 +358,8 @@ class Loader:
             listed, reachable = self._listing(remote_catalog, newest_only=newest_only)
             if not reachable:
                 remote_catalog = None                 # no repairs from an unreachable remote either
+            elif remote_catalog is not None and listed:          # newest first
+                self._listed_upto = max(listed[0][0], -1 if self._listed_upto is None else self._listed_upto)
             return listed
 
         def attempt(s, tier):

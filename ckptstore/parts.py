@@ -19,6 +19,7 @@ from .changes import VersionCache
 from .collective import default_coordinator
 from .errors import CheckpointError
 from .index import ChunkIndex
+from .lease import acquire_writer
 from .options import Remote, Writing
 from .packs import PackBuffers
 from .retention import Retention
@@ -34,7 +35,7 @@ from .upload import Uploader
 class Parts:
     """One store's shared parts (see the module docstring). Attributes, all read-only after construction except
     ``uploader`` (a node's parts uploader is made at its first commit), ``inflight`` (the non-blocking save in
-    flight, set by the saver) and the run id."""
+    flight, set by the saver), ``writer_lease`` (see :meth:`hold_writer_lease`) and the run id."""
 
     def __init__(self, storage: Storage, *, rank: int, world_size: int, writing: Writing,
                  remote: Optional[Remote], storage_options: Mapping[str, Any], keep: Optional[Retention],
@@ -71,12 +72,23 @@ class Parts:
         self.uploader: Optional[Uploader] = None
         self.upload_args: Optional[Dict[str, Any]] = None   # how to make a node's parts uploader, if any
         self.inflight = None                       # the non-blocking save in flight (a SaveHandle)
+        self.writer_lease = None                   # locks/writer.json, once rank 0 holds it
         self._run_id: Optional[str] = None
 
     @property
     def writes_remote(self) -> bool:
         """Whether this store's uploader writes the remote's steps (rank 0's; a node's parts uploader does not)."""
         return self.uploader is not None and not self.uploader.parts_only
+
+    def hold_writer_lease(self) -> None:
+        """Rank 0: take this root's writer lease unless it holds it (at its first save, or before a resume sets
+        steps aside: only the job that writes a root changes its timeline), then check it is still held.
+        Raises ``CheckpointError`` naming another live holder, or when the lease was lost (FORMAT.md "Writers
+        and deleters")."""
+        if self.rank == 0 and self.writer_lease is None:
+            self.writer_lease = acquire_writer(self.storage, job=self.root)
+        if self.writer_lease is not None:
+            self.writer_lease.check()
 
     # -- the run's identity ------------------------------------------------------------------------------------
     @property

@@ -20,7 +20,7 @@ from . import __version__
 from .commit import commit_across_ranks, root_identity
 from .errors import CheckpointError, CorruptCheckpointError
 from .layout import blob_path, check_step, manifest_path, pack_path
-from .lease import WriterOp, acquire_writer, read_epoch
+from .lease import WriterOp, read_epoch
 from .manifest import ArrayEntry, Commit, Manifest, ManifestNode, check_names, encode_commit
 from .parts import Parts, quiet
 from .pointers import point_away_from, point_to_if_newest
@@ -107,7 +107,6 @@ class Saver:
         #: ``(step, gen, manifest)`` of the last save this saver committed (on every rank): what a promotion
         #: of that step copies
         self.last_committed: Optional[Tuple[int, int, Manifest]] = None
-        self.writer_lease = None                    # locks/writer.json, taken by rank 0 at its first save
         self._op: Optional[WriterOp] = None         # the save in flight's in-flight marker
         self._epoch = None                          # gc epoch seen at the last save (see ckptstore.lease)
         self._gen = 0                               # manifest generation the save in flight writes
@@ -170,8 +169,13 @@ class Saver:
     def close(self) -> None:
         """End this store's writing: its in-flight marker and writer lease go (after :meth:`wait`)."""
         self._end_write(self._op)
-        if self.writer_lease is not None:
-            self.writer_lease.release()
+        if self.p.writer_lease is not None:
+            self.p.writer_lease.release()
+
+    @property
+    def writer_lease(self):
+        """The root's writer lease once rank 0 holds it (:meth:`~ckptstore.parts.Parts.hold_writer_lease`)."""
+        return self.p.writer_lease
 
     def _replicated_keys(self, state: Mapping[str, Any], replicated: Iterable[str]) -> List[str]:
         """``save(replicated=...)`` checked against ``state``: sorted keys, or [] for a store of one rank."""
@@ -211,10 +215,7 @@ class Saver:
         rank registers the save as in flight (waiting while a gc holds the store); after a gc elsewhere, what
         this store believed about existing blobs and packs is dropped. See FORMAT.md, "Writers and deleters"."""
         p = self.p
-        if p.rank == 0 and self.writer_lease is None:
-            self.writer_lease = acquire_writer(p.storage, job=p.root)
-        if self.writer_lease is not None:
-            self.writer_lease.check()
+        p.hold_writer_lease()
         self._end_write(self._op)
         op = self._op = WriterOp(p.storage, "save", step=step, rank=p.rank).begin()
         epoch = read_epoch(p.storage)
@@ -232,8 +233,8 @@ class Saver:
 
     def _check_still_writer(self) -> None:
         """Just before a commit: the writer lease and this save's in-flight marker must still be ours."""
-        if self.writer_lease is not None:
-            self.writer_lease.check()
+        if self.p.writer_lease is not None:
+            self.p.writer_lease.check()
         if self._op is not None:
             self._op.check()
 

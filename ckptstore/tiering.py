@@ -340,8 +340,10 @@ class MemoryTier:
     def resume(self, state, *, strict: bool, rank_local: str,
                fallback: Callable[..., Optional[int]]) -> Optional[int]:
         """``Store.resume`` with a memory tier (see the module docstring): the newest memory step held whole by
-        the nodes, rebuilt where a node lost it; else ``fallback`` (the disk store's resume). Memory steps
-        newer than the step a fallback resumed are dropped (a new timeline starts there)."""
+        the nodes, rebuilt where a node lost it; else ``fallback`` (the disk store's resume, which sets aside the
+        disk roots' committed steps newer than the step it resumed, see
+        :meth:`~ckptstore.loading.Loader.set_aside_newer`). Either way memory steps newer than the step resumed
+        are dropped (a new timeline starts there: none of them is whole on the nodes)."""
         self.saver.wait()
         self.wait_for_promotions()           # they use the disk store's collectives: none may run beside resume
         choice = self.choose()
@@ -350,30 +352,40 @@ class MemoryTier:
         if found is not None:
             got = self._resume_memory(state, found, leaders, strict=strict, rank_local=rank_local)
             if got is not None:
+                # no disk root holds a newer step (the choice refuses memory steps older than any rank's disk)
+                self._drop_newer(got, leaders)
                 return got
         step = fallback(state, strict=strict, rank_local=rank_local)
         if step is None and self.loader._touched and self.disk_loader.resumed_from is None:
             raise CheckpointError(f"memory step {found['step'] if found else '?'} partly overwrote sharded (DTensor) "
                                   "values before it was found damaged, and no other step loads into them: "
                                   "refusing a fresh start with them")
+        self._drop_newer(step, leaders)
+        return step
+
+    def _drop_newer(self, step: Optional[int], leaders: List[int]) -> None:
+        """The leaders drop their memory root's step directories newer than ``step`` (``None``: all), logged;
+        then every rank agrees, so no rank saves before they are gone. Memory steps are dropped, not set aside:
+        a memory root is bounded RAM, and a step that did not load on every rank is no checkpoint of the job.
+        Raises a leader's failure on every rank."""
         error: Optional[BaseException] = None
         if self.p.rank in leaders:
             try:
                 newer = [s for s in self.p.catalog.step_dirs() if step is None or s > step]
+                committed = [s for s in newer if self.p.catalog.is_committed(s)]
                 for s in newer:
                     self._drop(s)
-                if newer:
-                    log.info("memory tier %s: dropped steps %s, newer than the step resumed from", self.p.root,
-                             newer)
+                if newer:             # an uncommitted one is a save the kill interrupted: routine
+                    log.log(logging.WARNING if committed else logging.INFO, "memory tier %s: dropped steps %s "
+                            "(committed: %s), newer than the step resumed from (%s)", self.p.root, newer,
+                            committed, step)
             except Exception as e:
                 error = e
         if self.p.coord is not None:            # no rank saves before every leader has dropped them
             error, _ = agree_outcome(self.p.coord, self.p.coord.next_tag("memory-drop"), step or 0, error,
-                                     error is not None,
-                                     self.p.collective_timeout)
+                                     error is not None, self.p.collective_timeout)
         if error is not None:
             raise error
-        return step
 
     def _agree(self, step: int, error: Optional[BaseException]) -> Optional[BaseException]:
         """Every rank's outcome -> the same verdict on every rank (``None``: all succeeded)."""

@@ -32,10 +32,11 @@ from . import intents, retention
 from .blobs import BlobStore
 from .catalog import Catalog
 from .errors import CheckpointError, UploadError
-from .layout import manifest_path
+from .layout import STEPS, manifest_path, parse_step_dir
 from .gc import GCReport, collect
 from .lease import acquire_writer
-from .pointers import advance_latest, rewind_latest
+from .pointers import advance_latest, read_latest, rewind_latest
+from .rewind import set_aside
 from .retry import RetryPolicy
 from .threads import lower_priority
 from .transfer import StepCopier, TransferStats
@@ -87,6 +88,9 @@ class Uploader:
         # queued or committed before the deletion: it runs once no queued upload is at or below that step
         self._deletes: Dict[int, int] = {}
         self._deferred: Set[int] = set()             # deletions of the remote's newest step: after the next upload
+        # (step, upto): a resume continued from step (None: a fresh start) after trying the remote's steps up to
+        # upto: those in between are set aside before anything else (see set_aside_after)
+        self._aside: Optional[Tuple[Optional[int], int]] = None
         self._deleting = False
         #: newest committed step on the remote as far as this uploader knows (None: none, or not derived yet)
         self.remote_newest: Optional[int] = None
@@ -125,7 +129,7 @@ class Uploader:
         if self._derived:
             return self.remote_newest
         if self._listed is not None:                 # listed (or failed to) by an earlier save of this process
-            return self._listed[0]
+            return self._after_aside(self._listed[0])
         budget = min(self.copier.retry.op_timeout, REWIND_LIST_SECONDS)
         once = RetryPolicy(deadline=budget, op_timeout=budget)
         try:
@@ -138,7 +142,29 @@ class Uploader:
             self._listed = (None,)
             return None
         self._listed = (steps[0] if steps else None,)
-        return self._listed[0]
+        return self._after_aside(self._listed[0])
+
+    def _after_aside(self, newest: Optional[int]) -> Optional[int]:
+        """The remote's newest committed step once the steps waiting to be set aside are (the step resumed
+        stands for the newest that remains: a bound from above, which is what a rewind check needs)."""
+        aside = self._aside
+        if aside is not None and newest is not None and (aside[0] is None or newest > aside[0]) \
+                and newest <= aside[1]:
+            return aside[0]
+        return newest
+
+    def set_aside_after(self, step: Optional[int], upto: int) -> None:
+        """A resume continued from ``step`` (``None``: a fresh start) after trying every remote step up to
+        ``upto`` (none of those above ``step`` loaded on every rank): drop waiting uploads of steps above
+        ``step``, and, before anything else this uploader does (under the remote's writer lease), set aside the
+        remote's committed steps in ``(step, upto]`` and move its latest pointer back
+        (:func:`set_aside_remote`). Until then :meth:`newest_remote` answers as if it were done. A failure is
+        raised like an upload's, and the work is tried again when the uploader goes on."""
+        with self._cond:
+            self._aside = (step, upto)
+            self._queue = [s for s in self._queue if step is not None and s <= step]
+            self._derived = False
+            self._cond.notify_all()
 
     def enqueue(self, step: int) -> None:
         """Queue committed ``step`` for upload; a step that is not a multiple of ``every`` is not uploaded. A
@@ -287,6 +313,17 @@ class Uploader:
             # one job uploads into a remote root: a second is refused, naming us (the other nodes of this job
             # upload parts only, under rank 0's lease)
             self._lease = acquire_writer(self.remote, job=self.local.url)
+        aside = self._aside
+        if aside is not None and not self.parts_only:
+            with self._cond:
+                self._taint()                        # the set-aside steps' directories stay (gc removes them)
+            set_aside_remote(self.remote, *aside, call=self.copier.call)
+            seen.clear()
+            newest = self.copier.call(lambda: Catalog(self.remote).newest_committed(seen)[0][:1],
+                                      "list remote steps")
+            with self._cond:
+                if self._aside == aside:
+                    self._aside = None
         newest_remote = newest[0] if newest else None
         self.remote_newest = newest_remote
         if newest_remote is not None:
@@ -466,6 +503,38 @@ def truncate_steps(storage, after: int, call=_direct) -> Tuple[List[int], Option
     if dropped:
         log.info("%s: dropped steps %s (rewound to step %s)", storage.url, sorted(dropped), after)
     return sorted(dropped), newest
+
+
+def set_aside_remote(storage, step: Optional[int], upto: int, call=_direct) -> List[int]:
+    """Set aside (:func:`ckptstore.rewind.set_aside`; the step's directory is left to gc) every committed step
+    of ``storage`` in ``(step, upto]``, newest first, then move the latest pointer back when it names a step
+    above ``step``: to ``step`` when it is committed there, else to the newest committed step below it (or
+    remove it), the one backwards move FORMAT.md allows (the step it named is no longer committed). Steps above
+    ``upto`` (committed after the resume listed them) are left alone. Returns the steps set aside."""
+    catalog = Catalog(storage)
+    after = f"{step:012d}" if step is not None else ""
+    names = call(lambda: storage.listdir_after(STEPS, after), f"list steps of {storage.url}")
+    dirs = sorted((s for s in map(parse_step_dir, names)
+                   if s is not None and (step is None or s > step) and s <= upto), reverse=True)
+    gone = []
+    for s in dirs:
+        if call(lambda s=s: catalog.is_committed(s), f"look up step {s} of {storage.url}"):
+            call(lambda s=s: set_aside(storage, s, step, remove_rest=False), f"set aside step {s} of {storage.url}")
+            gone.append(s)
+    latest = call(lambda: read_latest(storage), f"read latest of {storage.url}")
+    if latest is not None and (step is None or latest > step):
+        if step is not None and call(lambda: catalog.is_committed(step), f"look up step {step} of {storage.url}"):
+            to: Optional[int] = step
+        else:
+            older = [s for s in call(catalog.committed_steps, f"list steps of {storage.url}")
+                     if step is not None and s < step]
+            to = older[-1] if older else None
+        call(lambda: rewind_latest(storage, to, catalog.is_committed), f"rewind latest of {storage.url}")
+    if gone:
+        log.warning("%s: committed step(s) %s set aside (under %s/<step>.aside-*): the run continues from %s, "
+                    "and they did not load on every rank", storage.url, sorted(gone), STEPS,
+                    f"step {step}" if step is not None else "a fresh start")
+    return sorted(gone)
 
 
 def delete_steps(remote, steps: List[int], *, call=_direct, grace_seconds: float = 0.0, wait: float = 5.0

@@ -9,6 +9,8 @@ write per line) right after the step's optimizer step, then saves the step non-b
 
 ``--disk`` / ``--mem`` may hold ``{node}`` (= rank // ``--node-size``): node-local roots shared by the ranks of
 one node. Options:
+  --no-memory      a plain store on the disk roots (no memory tier): saves every step to disk.
+  --replicas N     Memory(replicas=N) (default 1; 0: a lost node's memory parts are gone with it).
   --hold-after K   after step K's save: wait for it (and for the uploads), meet, write ``held-rank<r>`` in
                    ``--log`` and sleep until killed (the test SIGKILLs every rank: a node loss).
   --die-at K       rank ``--die-rank`` attaches a logging.Handler to "ckptstore.replication" that SIGKILLs its
@@ -72,6 +74,8 @@ def main():
     ap.add_argument("--die-at", type=int, default=0)
     ap.add_argument("--die-rank", type=int, default=3)
     ap.add_argument("--mark", default="")
+    ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--replicas", type=int, default=1)
     args = ap.parse_args()
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
@@ -97,10 +101,12 @@ def main():
     state = {"model": model, "optim": opt, "rng": RNGState(), "pos": 0}
 
     remote = Remote(args.remote, every=args.remote_every) if args.remote else None
+    memory = None if args.no_memory else Memory(mem, every=1, disk_every=args.disk_every,
+                                                capacity=args.capacity_mib << 20, keep=args.mem_keep,
+                                                replicas=args.replicas, node_size=args.node_size,
+                                                timeout=args.timeout)
     store = Store(disk, rank=rank, world_size=world, remote=remote, storage_options=json.loads(args.so),
-                  keep=Retention(last=2), collective_timeout=args.collective_timeout,
-                  memory=Memory(mem, every=1, disk_every=args.disk_every, capacity=args.capacity_mib << 20,
-                                keep=args.mem_keep, replicas=1, node_size=args.node_size, timeout=args.timeout))
+                  keep=Retention(last=2), collective_timeout=args.collective_timeout, memory=memory)
     start = store.resume(state) or 0
     out = {"rank": rank, "resumed": start, "resumed_from": store.resumed_from, "pos": state["pos"]}
     print(f"rank {rank} resumed from {start}: {store.resumed_from}", flush=True)
