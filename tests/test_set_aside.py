@@ -25,6 +25,7 @@ from ckptstore.errors import CheckpointError
 from ckptstore.layout import LATEST
 from ckptstore.pointers import decode_pointer
 from ckptstore.storage import open_storage
+from ckptstore.upload import truncate_steps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dist import Job  # noqa: E402
@@ -152,6 +153,31 @@ def test_remote_steps_that_failed_are_set_aside_and_the_pointer_moves_back(tmp_p
         state = fresh()
         assert s.resume(state) == 3 and s.resumed_from["tier"] == "remote"
         assert torch.equal(state["w"], state_at(3)["w"])
+
+
+def test_a_step_set_aside_is_not_uploaded_by_the_derived_backlog(tmp_path, s3_bucket_url):
+    """Step 4 is committed locally but its upload never finished (the remote holds 1-3), and it is damaged: the
+    resume continues from 3, and the uploader, which derives its backlog from the local steps newer than the
+    remote's newest, never tries to upload it (it did, and failed with UploadError, the blob being gone)."""
+    target = s3_bucket_url
+    root = tmp_path / "run"
+    kw = dict(writing=Writing(packing=SMALL), remote=Remote(target.url), storage_options=target.storage_options)
+    with Store(root, **kw) as s:
+        for step in (1, 2, 3, 4):
+            s.save(state_at(step), step)
+        s.wait_for_uploads(timeout=120)
+        lost = blobs_of_key(s, 4, ("w",))
+    truncate_steps(open_storage(target.url, target.storage_options), 3)   # as if step 4's upload never happened
+    for f in lost:
+        f.unlink()
+    with Store(root, **kw) as s:
+        assert s.resume(fresh()) == 3
+        s.wait_for_uploads(timeout=120)                   # was: UploadError (step 4: blob missing)
+        assert s.steps() == [1, 2, 3] and remote_steps(target.url, target.storage_options) == [1, 2, 3]
+        s.save(state_at(104), 4)
+        s.wait_for_uploads(timeout=120)
+    with Store(target.url, storage_options=target.storage_options, create=False) as r:
+        assert r.steps() == [1, 2, 3, 4] and torch.equal(r.load(4)["w"], state_at(104)["w"])
 
 
 def _so_args(target) -> List[str]:
