@@ -18,12 +18,12 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from .blobs import digest_bytes
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError
 from .layout import (ASIDE_NAME, COMMIT_NAME, STEPS, aside_dir, commit_path, manifest_path, parse_aside_dir,
-                     parse_manifest_name, parse_shards_name, step_dir)
+                     shards_path, step_dir)
 from .manifest import MAX_COMMIT_BYTES, decode_commit, decode_manifest
 
 log = logging.getLogger("ckptstore")
@@ -98,33 +98,47 @@ def set_aside(storage, step: int, resumed: Optional[int], *, remove_rest: bool =
     """Move committed ``step`` out of the run's timeline, keeping it (FORMAT.md "Steps set aside after a
     resume"): an ``ASIDE`` record (JSON: the step, the step resumed, when, in unix seconds) is written into
     ``steps/<step>.aside-<tag>/`` (``tag``: the first 16 hex digits of the BLAKE3 of the step's commit marker,
-    so doing it again after a crash reuses the same directory and its first record), then the step's manifests
-    and shard maps are copied there, then its commit marker, and only then is the marker deleted from the
-    step: from that moment the step is uncommitted, invisible to readers, resume, uploads and retention. A
-    crash before leaves it committed (the next resume sets it aside again); after, an uncommitted directory gc
-    removes. With ``remove_rest`` the step's directory is then removed (a local root); on an object store it
-    is left to gc, since an upload of the new timeline's step of the same number may be writing there.
-    Returns the set-aside directory, or ``None`` when ``step`` is not committed. Raises ``OSError``."""
+    so doing it again after a crash reuses the same directory and its first record), then the manifests and the
+    shard map the marker names are copied there (each read with the bound of the size it records; one that
+    cannot be read is not copied: a node-local root holds its own ranks' manifests only, and a damaged step may
+    hold anything), then the marker itself, and only then is the marker deleted from the step: from that moment
+    the step is uncommitted, invisible to readers, resume, uploads and retention. A crash before leaves it
+    committed (the next resume sets it aside again); after, an uncommitted directory gc removes. With
+    ``remove_rest`` the step's directory is then removed (a local root); on an object store it is left to gc,
+    since an upload of the new timeline's step of the same number may be writing there. Returns the set-aside
+    directory, or ``None`` when ``step`` is not committed. Raises ``OSError`` from writing or deleting."""
     sd = step_dir(step)
+    what = commit_path(step)
     try:
-        marker = storage.read_bytes(commit_path(step), limit=MAX_COMMIT_BYTES + 1)
+        marker: Optional[bytes] = storage.read_bytes(what, limit=MAX_COMMIT_BYTES + 1)
     except FileNotFoundError:
         return None
-    dst = aside_dir(step, digest_bytes(marker)[:16])
+    except OSError:                                 # not a regular file, unreadable: nothing of it to keep
+        marker = None
+    named: Dict[str, int] = {}                      # file name -> the size the marker records
+    if marker is not None and len(marker) <= MAX_COMMIT_BYTES:
+        try:
+            commit = decode_commit(marker, step=step, what=what)
+            for rank, (_, size, gen) in commit.manifests.items():
+                named[manifest_path(step, rank, gen).rsplit("/", 1)[1]] = size
+            if commit.shards is not None:
+                named[shards_path(step, commit.shards[2]).rsplit("/", 1)[1]] = commit.shards[1]
+        except CorruptCheckpointError:
+            pass                                    # a damaged marker: it is kept, the files it names are not known
+    dst = aside_dir(step, digest_bytes(marker if marker is not None else b"")[:16])
     record = f"{dst}/{ASIDE_NAME}"
     if not storage.exists(record):
         storage.write_atomic(record, json.dumps({"step": step, "resumed": resumed, "since": time.time(),
                                                  "format": 1}).encode() + b"\n")
-    for name in storage.listdir(sd):
-        if parse_manifest_name(name) is None and parse_shards_name(name) is None:
-            continue                                # the marker goes last; temp files stay for gc
+    for name, size in sorted(named.items()):
         try:
-            data = storage.read_bytes(f"{sd}/{name}")
-        except FileNotFoundError:
+            data = storage.read_bytes(f"{sd}/{name}", limit=size + 1)
+        except OSError:
             continue
         storage.write_atomic(f"{dst}/{name}", data)
-    storage.write_atomic(f"{dst}/{COMMIT_NAME}", marker)
-    storage.delete(commit_path(step))
+    if marker is not None:
+        storage.write_atomic(f"{dst}/{COMMIT_NAME}", marker)
+    storage.delete(what)
     if remove_rest:
         storage.rmtree(sd)
     return dst

@@ -25,6 +25,7 @@ from ckptstore.errors import CheckpointError
 from ckptstore.layout import LATEST
 from ckptstore.pointers import decode_pointer
 from ckptstore.storage import open_storage
+from ckptstore.upload import truncate_steps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dist import Job  # noqa: E402
@@ -119,14 +120,21 @@ def test_only_the_job_holding_the_writer_lease_sets_steps_aside(tmp_path):
         assert s.resume(fresh()) == 2 and s.steps() == [1, 2] and len(asides(root)) == 1
 
 
-def test_remote_steps_that_failed_are_set_aside_and_the_pointer_moves_back(tmp_path, s3_bucket_url):
-    target = s3_bucket_url
-    root = tmp_path / "run"
+def uploaded_steps_1_to_4(root: Path, target) -> dict:
+    """Steps 1-4 saved in ``root`` and uploaded to ``target``; returns the ``Store`` arguments used."""
     kw = dict(writing=Writing(packing=SMALL), remote=Remote(target.url), storage_options=target.storage_options)
     with Store(root, **kw) as s:
         for step in (1, 2, 3, 4):
             s.save(state_at(step), step)
         s.wait_for_uploads(timeout=120)
+    return kw
+
+
+def test_remote_steps_that_failed_are_set_aside_and_the_pointer_moves_back(tmp_path, s3_bucket_url):
+    target = s3_bucket_url
+    root = tmp_path / "run"
+    kw = uploaded_steps_1_to_4(root, target)
+    with Store(root, **kw) as s:
         lost = {f.relative_to(root).as_posix() for step in (3, 4) for f in blobs_of_key(s, step, ("w",))}
     remote = open_storage(target.url, target.storage_options)
     for path in lost:                                     # steps 3 and 4 are damaged everywhere
@@ -152,6 +160,28 @@ def test_remote_steps_that_failed_are_set_aside_and_the_pointer_moves_back(tmp_p
         state = fresh()
         assert s.resume(state) == 3 and s.resumed_from["tier"] == "remote"
         assert torch.equal(state["w"], state_at(3)["w"])
+
+
+def test_a_step_set_aside_is_not_uploaded_by_the_derived_backlog(tmp_path, s3_bucket_url):
+    """Step 4 is committed locally but its upload never finished (the remote holds 1-3), and it is damaged: the
+    resume continues from 3, and the uploader, which derives its backlog from the local steps newer than the
+    remote's newest, never tries to upload it (it did, and failed with UploadError, the blob being gone)."""
+    target = s3_bucket_url
+    root = tmp_path / "run"
+    kw = uploaded_steps_1_to_4(root, target)
+    with Store(root, **kw) as s:
+        lost = blobs_of_key(s, 4, ("w",))
+    truncate_steps(open_storage(target.url, target.storage_options), 3)   # as if step 4's upload never happened
+    for f in lost:
+        f.unlink()
+    with Store(root, **kw) as s:
+        assert s.resume(fresh()) == 3
+        s.wait_for_uploads(timeout=120)                   # was: UploadError (step 4: blob missing)
+        assert s.steps() == [1, 2, 3] and remote_steps(target.url, target.storage_options) == [1, 2, 3]
+        s.save(state_at(104), 4)
+        s.wait_for_uploads(timeout=120)
+    with Store(target.url, storage_options=target.storage_options, create=False) as r:
+        assert r.steps() == [1, 2, 3, 4] and torch.equal(r.load(4)["w"], state_at(104)["w"])
 
 
 def _so_args(target) -> List[str]:
