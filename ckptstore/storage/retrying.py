@@ -59,15 +59,17 @@ def _in_daemon_thread(fn: Callable[[], T]) -> "concurrent.futures.Future[T]":
 
 class RetryingStorage(BytesReads):
     """``storage`` (remote) with every call run under ``policy`` (see the module docstring). ``outage``: share
-    the outage clock of another view of the same storage (:meth:`with_policy`). Reads into a caller's buffer
-    read private bytes first (:class:`~ckptstore.storage.base.BytesReads`)."""
+    the outage clock of another view of the same storage (:meth:`with_policy`). ``attempts``: at most that
+    many attempts per call (``1``: each call is bounded by ``op_timeout`` and not retried). Reads into a
+    caller's buffer read private bytes first (:class:`~ckptstore.storage.base.BytesReads`)."""
 
-    def __init__(self, storage, policy: RetryPolicy, outage: Optional[Outage] = None):
-        self.storage, self.policy = storage, policy
+    def __init__(self, storage, policy: RetryPolicy, outage: Optional[Outage] = None, *,
+                 attempts: Optional[int] = None):
+        self.storage, self.policy, self.attempts = storage, policy, attempts
         self.outage = outage if outage is not None else Outage(policy.op_timeout)
 
     def with_policy(self, policy: RetryPolicy) -> "RetryingStorage":
-        """The same storage, its calls under ``policy`` (e.g. a listing given one attempt), and the same outage
+        """The same storage, its calls under ``policy`` (retried up to its deadline), and the same outage
         clock."""
         return RetryingStorage(self.storage, policy, self.outage)
 
@@ -90,7 +92,7 @@ class RetryingStorage(BytesReads):
     def _run(self, fn: Callable[[], T], what: str) -> T:
         if current_operation() is not None:          # the enclosing RetryPolicy.call retries
             return self._attempt(fn, what)
-        return self.policy.call(lambda: self._attempt(fn, what), what)
+        return self.policy.call(lambda: self._attempt(fn, what), what, attempts=self.attempts)
 
     def _attempt(self, fn: Callable[[], T], what: str) -> T:
         """One attempt, abandoned after ``op_timeout`` seconds; its outcome goes to the outage clock."""
@@ -132,5 +134,5 @@ def with_retries(storage, policy: RetryPolicy):
     is already wrapped); a local storage as it is (its errors are not transient: a failed local read is damage,
     and resume falls back on it at once)."""
     if isinstance(storage, RetryingStorage):
-        return storage if storage.policy == policy else storage.with_policy(policy)
+        return storage if storage.policy == policy and storage.attempts is None else storage.with_policy(policy)
     return storage if storage.local_path("") is not None else RetryingStorage(storage, policy)
