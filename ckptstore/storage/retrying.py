@@ -101,7 +101,7 @@ class RetryingStorage(BytesReads):
         try:
             return _ATTEMPTS.submit(attempt).result(timeout=self.policy.op_timeout)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"{what}: no answer within {self.policy.op_timeout:.1f} s (stalled)") from None
+            raise TimeoutError(f"no answer within {self.policy.op_timeout:.1f} s (stalled)") from None
 
     def __repr__(self) -> str:
         return f"RetryingStorage({self.storage!r})"
