@@ -113,7 +113,9 @@ class Outage:
             if answered:
                 self._failing, self._answered = None, now
             elif self._failing is None:
-                self._failing = max(start, self._answered)
+                # sent after the last answer: failing since it was sent; else (an attempt abandoned long ago
+                # that failed only now) nothing is known of the time before now
+                self._failing = start if start >= self._answered else now
 
 
 class _Operation:

@@ -13,8 +13,9 @@ With a GPU doing the training, the CPU is mostly idle and both finish as fast.
 from __future__ import annotations
 
 import os
+import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 #: niceness of ckptstore's background threads (0 disables); env ``CKPTSTORE_BACKGROUND_NICE``.
 BACKGROUND_NICE = int(os.environ.get("CKPTSTORE_BACKGROUND_NICE", "19"))
@@ -39,3 +40,47 @@ def lower_priority(nice: int = None) -> None:
 def background_pool(workers: int, name: str) -> ThreadPoolExecutor:
     """A thread pool whose threads run at lowered priority."""
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name, initializer=lower_priority)
+
+
+class DaemonPool(Executor):
+    """Runs each call in a daemon thread, reusing idle ones (a thread start costs ~0.1-0.3 ms, a hand-off to a
+    waiting thread ~0.05 ms). Unbounded: a call that never returns (a request to a silent server, abandoned by
+    its caller) holds its thread, and the next call gets another; an idle thread exits after ``idle`` seconds.
+    Unlike a ``ThreadPoolExecutor``, whose workers the interpreter joins at exit, a stalled call never holds up
+    the process's exit."""
+
+    def __init__(self, name: str, idle: float = 30.0):
+        self.name, self.idle = name, idle
+        self._work: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._waiting = 0                    # threads waiting for work that no submit has counted on yet
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+        with self._lock:
+            start = self._waiting == 0
+            if not start:
+                self._waiting -= 1           # that thread takes this call
+        self._work.put((future, fn, args, kwargs))
+        if start:
+            threading.Thread(target=self._worker, name=self.name, daemon=True).start()
+        return future
+
+    def _worker(self) -> None:
+        while True:
+            try:
+                future, fn, args, kwargs = self._work.get(timeout=self.idle)
+            except queue.Empty:
+                with self._lock:
+                    if self._waiting > 0:    # not counted on: leave (else a call is on its way to us)
+                        self._waiting -= 1
+                        return
+                continue
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as e:  # noqa: B902 - handed to the caller
+                    future.set_exception(e)
+            del future, fn, args, kwargs
+            with self._lock:
+                self._waiting += 1

@@ -57,6 +57,18 @@ def test_no_call_and_no_background_retry_moves_the_global_generators(tmp_path, r
     def unmoved(what):
         assert generators() == seeded, f"{what} moved a global random generator"
 
+    def injected():
+        return sum(n for fate, n in proxy.counts.items() if fate != "ok")
+
+    def uploaded():                                   # uploads retried under faults, in the uploader's threads
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                return s.wait_for_uploads(timeout=60)
+            except UploadError:
+                unmoved("a failed upload")
+                assert time.monotonic() < deadline, "uploads never got through the faults"
+
     # GCS clients keep few connections alive: fewer healthy ones, so that enough requests meet a fault
     weights = (2, 2, 2, 0, 6) if kind == "s3" else (3, 3, 2, 0, 3)
     with FaultProxy(upstream, seed=26, weights=weights, slowdown_status=503 if kind == "s3" else 429) as proxy:
@@ -68,31 +80,29 @@ def test_no_call_and_no_background_retry_moves_the_global_generators(tmp_path, r
         unmoved("resume")
         s.save(_state(1, g), 1)
         unmoved("a blocking save")
-        step = 1
-        while step < 4 or (sum(n for fate, n in proxy.counts.items() if fate != "ok") < 4 and step < 30):
-            step += 1                                 # until the proxy has injected a few faults
-            s.save(_state(step, g), step, blocking=False)
-            unmoved("a non-blocking save")
-            time.sleep(0.2)
-        deadline = time.monotonic() + 120
-        while True:                                   # uploads retried under faults, in the uploader's threads
+        newest = 1
+        for step in range(2, 40):                     # until the proxy has injected a few faults
             try:
-                s.wait_for_uploads(timeout=60)
+                s.save(_state(step, g), step, blocking=False)
+                newest = step
+            except UploadError:                       # an upload's failure, raised once; nothing saved
+                pass
+            unmoved("a non-blocking save")
+            if step % 3 == 0:
+                uploaded()
+            if step >= 6 and injected() >= 4:
                 break
-            except UploadError:
-                unmoved("a failed upload")
-                assert time.monotonic() < deadline, "uploads never got through the faults"
+        uploaded()
         unmoved("uploads retried under faults")
         proxy.faults = False
         s.close()
         unmoved("close")
-        faults = sum(n for fate, n in proxy.counts.items() if fate != "ok")
-        assert faults >= 4, f"too few faults injected to prove anything: {dict(proxy.counts)}"
+        assert injected() >= 4, f"too few faults injected to prove anything: {dict(proxy.counts)}"
 
         shutil.rmtree(root)                           # the node is gone: resume from the remote
         s = Store(root, remote=Remote(url, retry=retry), storage_options=_through(proxy, opts))
         target_state = {"w": torch.zeros(200_000), "small": [], "step": 0}
-        assert s.resume(target_state) == step and target_state["step"] == step
+        assert s.resume(target_state) == newest and target_state["step"] == newest
         unmoved("a resume from the remote into a wiped root")
         s.close()
         unmoved("close")

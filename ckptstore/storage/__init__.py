@@ -20,12 +20,17 @@ def is_local(url) -> bool:
 def open_storage(url, storage_options: Optional[dict] = None, *, direct_io: bool = True,
                  retry: Optional[RetryPolicy] = None) -> Storage:
     """A path or ``file://`` URL -> :class:`LocalStorage`; any other fsspec URL -> :class:`FsspecStorage`, every
-    call of which runs under ``retry`` (default ``RetryPolicy()``): per-attempt timeout, retries, deadline
-    (:class:`~ckptstore.storage.retrying.RetryingStorage`)."""
+    call of which runs under ``retry`` (:class:`~ckptstore.storage.retrying.RetryingStorage`): a per-attempt
+    timeout, retries, a deadline. ``retry=None`` (a store opened on a URL root, the command line): one attempt
+    per call, bounded by ``RetryPolicy().op_timeout`` seconds and not retried, so a one-shot command against a
+    dead endpoint fails at once and against a silent one does not hang."""
     url = os.fspath(url)
     if is_local(url):
         return LocalStorage(url[len("file://"):] if url.startswith("file://") else url, direct_io=direct_io)
-    return with_retries(FsspecStorage(url, storage_options), retry if retry is not None else RetryPolicy())
+    storage = FsspecStorage(url, storage_options)
+    if retry is None:
+        return RetryingStorage(storage, RetryPolicy(), attempts=1)
+    return with_retries(storage, retry)
 
 
 __all__ = ["Storage", "LocalStorage", "FsspecStorage", "RetryingStorage", "open_storage", "is_local"]

@@ -7,8 +7,9 @@ an object store (uploads, resume, pulls, the writer lease and its heartbeat, in-
 retention, listings, pointer reads and writes, ``close``) is bounded the same way (issue 26 item 6: ``close()``
 waited forever in a lease release made without the policy).
 
-* Each attempt runs in a daemon thread of its own and is abandoned after ``op_timeout`` seconds (it counts as
-  stalled, and may finish on its own later; a process exit never waits for it). A read into a caller's buffer
+* Each attempt runs in a daemon thread (:class:`~ckptstore.threads.DaemonPool`) and is abandoned after
+  ``op_timeout`` seconds (it counts as stalled, and may finish on its own later; a process exit never waits
+  for it). A read into a caller's buffer
   (``read_into``, ``read_range_*``) reads into private bytes first and copies them into the caller's buffer
   only once the attempt returned, so an abandoned attempt never writes into memory the caller has moved on with.
 * Outside any :meth:`RetryPolicy.call <ckptstore.retry.RetryPolicy.call>`, a call is retried under the policy
@@ -30,10 +31,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import threading
 from typing import Any, Callable, Optional, TypeVar
 
 from ..retry import Outage, RetryPolicy, current_operation, is_transient
+from ..threads import DaemonPool
 from .base import BytesReads
 
 T = TypeVar("T")
@@ -44,32 +45,19 @@ CALLS = frozenset({"read_bytes", "size", "exists", "write_atomic", "write_new", 
                    "mtime", "read_range_bytes"})
 
 
-def _in_daemon_thread(fn: Callable[[], T]) -> "concurrent.futures.Future[T]":
-    """``fn()`` in a new daemon thread (a stalled request must never hold up the interpreter's exit, which a
-    ``ThreadPoolExecutor`` worker does)."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run() -> None:
-        if future.set_running_or_notify_cancel():
-            try:
-                future.set_result(fn())
-            except BaseException as e:  # noqa: B902 - handed to the waiting caller
-                future.set_exception(e)
-    threading.Thread(target=run, name="ckptstore-remote-call", daemon=True).start()
-    return future
-
-
 class RetryingStorage(BytesReads):
     """``storage`` (remote) with every call run under ``policy`` (see the module docstring). ``outage``: share
-    the outage clock of another view of the same storage (:meth:`with_policy`). Reads into a caller's buffer
-    read private bytes first (:class:`~ckptstore.storage.base.BytesReads`)."""
+    the outage clock of another view of the same storage (:meth:`with_policy`). ``attempts``: at most that
+    many attempts per call (``1``: each call is bounded by ``op_timeout`` and not retried). Reads into a
+    caller's buffer read private bytes first (:class:`~ckptstore.storage.base.BytesReads`)."""
 
-    def __init__(self, storage, policy: RetryPolicy, outage: Optional[Outage] = None):
-        self.storage, self.policy = storage, policy
+    def __init__(self, storage, policy: RetryPolicy, outage: Optional[Outage] = None, *,
+                 attempts: Optional[int] = None):
+        self.storage, self.policy, self.attempts = storage, policy, attempts
         self.outage = outage if outage is not None else Outage(policy.op_timeout)
 
     def with_policy(self, policy: RetryPolicy) -> "RetryingStorage":
-        """The same storage, its calls under ``policy`` (e.g. a listing given one attempt), and the same outage
+        """The same storage, its calls under ``policy`` (retried up to its deadline), and the same outage
         clock."""
         return RetryingStorage(self.storage, policy, self.outage)
 
@@ -77,7 +65,7 @@ class RetryingStorage(BytesReads):
         """A compound operation on this storage (several calls) under the storage's policy as one: each attempt
         of the whole is abandoned after ``op_timeout`` seconds, the calls inside it are not retried on their
         own, and with ``attempts`` it is tried at most that many times."""
-        return self.policy.call(fn, what, executor=_DAEMON, attempts=attempts)
+        return self.policy.call(fn, what, executor=_ATTEMPTS, attempts=attempts)
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.storage, name)
@@ -92,7 +80,7 @@ class RetryingStorage(BytesReads):
     def _run(self, fn: Callable[[], T], what: str) -> T:
         if current_operation() is not None:          # the enclosing RetryPolicy.call retries
             return self._attempt(fn, what)
-        return self.policy.call(lambda: self._attempt(fn, what), what)
+        return self.policy.call(lambda: self._attempt(fn, what), what, attempts=self.attempts)
 
     def _attempt(self, fn: Callable[[], T], what: str) -> T:
         """One attempt, abandoned after ``op_timeout`` seconds; its outcome goes to the outage clock."""
@@ -113,20 +101,16 @@ class RetryingStorage(BytesReads):
             finally:
                 self.outage.end(token, answered)
         try:
-            return _in_daemon_thread(attempt).result(timeout=self.policy.op_timeout)
+            return _ATTEMPTS.submit(attempt).result(timeout=self.policy.op_timeout)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"{what}: no answer within {self.policy.op_timeout:.1f} s (stalled)") from None
+            raise TimeoutError(f"no answer within {self.policy.op_timeout:.1f} s (stalled)") from None
 
     def __repr__(self) -> str:
         return f"RetryingStorage({self.storage!r})"
 
 
-class _DaemonExecutor(concurrent.futures.Executor):
-    def submit(self, fn, /, *args, **kwargs):
-        return _in_daemon_thread(lambda: fn(*args, **kwargs))
-
-
-_DAEMON = _DaemonExecutor()
+#: where every attempt runs: daemon threads, reused (see :class:`~ckptstore.threads.DaemonPool`)
+_ATTEMPTS = DaemonPool("ckptstore-remote-call")
 
 
 def with_retries(storage, policy: RetryPolicy):
@@ -134,5 +118,5 @@ def with_retries(storage, policy: RetryPolicy):
     is already wrapped); a local storage as it is (its errors are not transient: a failed local read is damage,
     and resume falls back on it at once)."""
     if isinstance(storage, RetryingStorage):
-        return storage if storage.policy == policy else storage.with_policy(policy)
+        return storage if storage.policy == policy and storage.attempts is None else storage.with_policy(policy)
     return storage if storage.local_path("") is not None else RetryingStorage(storage, policy)
