@@ -232,7 +232,8 @@ class Uploader:
         """Pending steps = local committed steps newer than the remote's newest committed step (found from the
         remote's latest pointer: :meth:`Catalog.newest_committed`, a few requests whatever the number of steps)."""
         seen: List[int] = []
-        newest = self.copier.call(lambda: Catalog(self.remote).newest_committed(seen)[0][:1], "list remote steps")
+        newest = self.copier.call(lambda: Catalog(self.remote).newest_committed(seen)[0][:1], "list remote steps",
+                                  fresh=True)       # after a failure it reported: a whole deadline again
         if self._lease is None and not self.parts_only:
             # one job uploads into a remote root: a second is refused, naming us (the other nodes of this job
             # upload parts only, under rank 0's lease)
