@@ -5,10 +5,13 @@ missing file, a permission error, a precondition failure) is raised at once. A c
 within ``op_timeout`` seconds counts as stalled: it is abandoned (its thread is left to finish on its own) and
 retried, and when the deadline passes the last error is raised as :class:`~ckptstore.errors.UploadError`.
 
-The deadline counts from the call's start, or from the moment the storage it talks to stopped answering if
-that is earlier (:class:`Outage`, kept per remote storage by :mod:`ckptstore.storage.retrying`): a call made
-during an outage does not get a fresh deadline of its own, so a sequence of calls (a close: the last upload,
-then the in-flight marker, then the writer lease) ends within one deadline of the outage, not one each.
+The deadline counts from the call's start, or from the moment a storage it talks to stopped answering if
+that is earlier (:class:`Outage`, kept per remote storage by :mod:`ckptstore.storage.retrying`, which every
+attempt reports to): a call made during an outage does not get a fresh deadline of its own, so a sequence of
+calls (a close: the upload in flight, then the step's in-flight marker, then the writer lease) ends within one
+deadline of the outage, not one each. ``fresh=True`` gives a call a deadline of its own all the same: the
+uploader's first call after it reported a failure (it tries for a whole deadline again, so that a save is
+not refused at every call during a long outage).
 
 The backoff's jitter comes from a generator of ckptstore's own, never from Python's global ``random`` (issue
 26: the caller's random draws must not depend on whether, or when, a request was retried).
@@ -153,24 +156,28 @@ class RetryPolicy:
     max_backoff: float = 10.0
 
     def call(self, fn: Callable[[], T], what: str, *, executor: Optional[concurrent.futures.Executor] = None,
-             on_retry: Optional[Callable[[BaseException], None]] = None, attempts: Optional[int] = None) -> T:
+             on_retry: Optional[Callable[[BaseException], None]] = None, attempts: Optional[int] = None,
+             fresh: bool = False) -> T:
         """``fn()`` until it returns, retrying transient errors, for at most ``deadline`` seconds counted from
-        now or from the start of an outage of a storage ``fn`` talks to (see :class:`Outage`), whichever is
-        earlier, and at most ``attempts`` times when given. With ``executor``, each attempt runs there and is
-        abandoned after ``op_timeout`` seconds.
-        Storage calls inside ``fn`` make one attempt each and leave the retrying to this call
-        (:mod:`ckptstore.storage.retrying`). Raises ``fn``'s error at once when it is not transient, else
-        :class:`~ckptstore.errors.UploadError` naming ``what`` past the deadline."""
+        now or from the start of an outage of a storage ``fn`` talks to (see :class:`Outage`; not with
+        ``fresh``), whichever is earlier, and at most ``attempts`` times when given. With ``executor``, each
+        attempt runs there and is abandoned after ``op_timeout`` seconds. Storage calls inside ``fn`` make one
+        attempt each and leave the retrying to this call (:mod:`ckptstore.storage.retrying`). Raises ``fn``'s
+        error at once when it is not transient, else :class:`~ckptstore.errors.UploadError` naming ``what``
+        past the deadline."""
         op = _Operation()
         ctx = contextvars.copy_context()
         ctx.run(_OPERATION.set, op)
         start = time.monotonic()
+
+        def origin() -> float:
+            return start if fresh else op.since(start)
         attempt = 0
         while True:
             attempt += 1
             limit = self.op_timeout
             if attempt > 1:                  # the first attempt always gets op_timeout (capped by the deadline)
-                limit = min(limit, self.deadline - (time.monotonic() - op.since(start)))
+                limit = min(limit, self.deadline - (time.monotonic() - origin()))
             limit = max(0.01, min(limit, self.deadline))
             try:
                 if executor is None:
@@ -185,7 +192,7 @@ class RetryPolicy:
                 if on_retry is not None:
                     on_retry(e)
                 now = time.monotonic()
-                elapsed, silent = now - start, now - op.since(start)
+                elapsed, silent = now - start, now - origin()
                 if silent >= self.deadline or (attempts is not None and attempt >= attempts):
                     raise UploadError(f"{what}: gave up after {attempt} attempt(s) in {elapsed:.1f} s "
                                       f"(deadline {self.deadline:.0f} s" +

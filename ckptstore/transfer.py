@@ -139,12 +139,13 @@ class StepCopier:
             for name, n in counts.items():
                 setattr(stats, name, getattr(stats, name) + n)
 
-    def call(self, fn, what, policy: Optional[RetryPolicy] = None):
+    def call(self, fn, what, policy: Optional[RetryPolicy] = None, fresh: bool = False):
         """Run ``fn`` under the retry policy (or ``policy``, which leaves the step being copied undisturbed);
-        a retry under the copier's own policy marks the step being copied as disturbed."""
+        a retry under the copier's own policy marks the step being copied as disturbed. ``fresh``: a deadline
+        of its own even during an outage (see :meth:`RetryPolicy.call <ckptstore.retry.RetryPolicy.call>`)."""
         if policy is not None:
-            return policy.call(fn, what, executor=self._calls)
-        return self.retry.call(fn, what, executor=self._calls, on_retry=self._note_retry)
+            return policy.call(fn, what, executor=self._calls, fresh=fresh)
+        return self.retry.call(fn, what, executor=self._calls, on_retry=self._note_retry, fresh=fresh)
 
     def _note_retry(self, e: BaseException) -> None:
         self._disturbed = True

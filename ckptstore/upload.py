@@ -308,7 +308,8 @@ class Uploader:
         those of a step committed locally: that deletion never returned (killed before the local commit marker
         went) or the step was committed again since; the intent is void and removed."""
         seen: List[int] = []
-        newest = self.copier.call(lambda: Catalog(self.remote).newest_committed(seen)[0][:1], "list remote steps")
+        newest = self.copier.call(lambda: Catalog(self.remote).newest_committed(seen)[0][:1], "list remote steps",
+                                  fresh=True)       # after a failure it reported: a whole deadline again
         if self._lease is None and not self.parts_only:
             # one job uploads into a remote root: a second is refused, naming us (the other nodes of this job
             # upload parts only, under rank 0's lease)

@@ -16,11 +16,12 @@ waited forever in a lease release made without the policy).
   (transient errors only; a missing object or damage is raised at once, see :func:`ckptstore.retry.is_transient`).
   Inside one (a step copy's compound operation), it makes one attempt and leaves retries and the deadline to
   the enclosing call, so retries never nest.
-* One :class:`~ckptstore.retry.Outage` per storage: every call's deadline counts from its start or from the
-  moment the storage stopped answering, whichever is earlier; a call made after a whole deadline of silence
-  makes one attempt and gives up. ``close()`` therefore returns or raises within about
-  ``deadline + 2 x op_timeout`` seconds of the storage going silent (the uploads in flight give up by the
-  deadline, then the step's in-flight marker and the writer lease get one attempt each).
+* One :class:`~ckptstore.retry.Outage` per storage, which every attempt reports to: a call's deadline
+  (or that of the RetryPolicy.call around it) counts from its start or from the moment the storage stopped
+  answering, whichever is earlier; a call made after a whole deadline of silence makes one attempt and gives
+  up. ``close()`` therefore returns or raises within about ``deadline + 2 x op_timeout`` seconds of the
+  storage going silent (the uploads in flight give up by the deadline, then the step's in-flight marker and
+  the writer lease get one attempt each).
 
 Past the deadline the last error is raised as :class:`~ckptstore.errors.UploadError` (a
 :class:`~ckptstore.errors.TransferError`: resume raises it, and neither skips the step nor starts fresh). A
@@ -79,11 +80,12 @@ class RetryingStorage(BytesReads):
 
     def _run(self, fn: Callable[[], T], what: str) -> T:
         if current_operation() is not None:          # the enclosing RetryPolicy.call retries
-            return self._attempt(fn, what)
-        return self.policy.call(lambda: self._attempt(fn, what), what, attempts=self.attempts)
+            return self._attempt(fn)
+        return self.policy.call(lambda: self._attempt(fn), what, attempts=self.attempts)
 
-    def _attempt(self, fn: Callable[[], T], what: str) -> T:
-        """One attempt, abandoned after ``op_timeout`` seconds; its outcome goes to the outage clock."""
+    def _attempt(self, fn: Callable[[], T]) -> T:
+        """One attempt, abandoned after ``op_timeout`` seconds; its outcome goes to the outage clock, which the
+        enclosing RetryPolicy.call's deadline counts from."""
         op = current_operation()
         if op is not None:
             op.outages.add(self.outage)
