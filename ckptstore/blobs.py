@@ -95,7 +95,7 @@ def read_verified(storage, path: str, read: Callable[[], T], *,
     * from a local file: damage at rest, at once;
     * from an object store: a transfer error first (a flipped byte or a cut body, which HTTP checks do not
       catch when the service sends no checksum or the client checks none): read again, backing off as the
-      storage's :class:`~ckptstore.retry.RetryPolicy` does (``RetryingReads.policy``; the default policy
+      storage's :class:`~ckptstore.retry.RetryPolicy` does (``RetryingStorage.policy``; the default policy
       otherwise), until the bytes are good, or two reads in a row bring back the same bad bytes: damage at rest
       (the object itself), or the policy's deadline (seconds, from the first read) has passed: then
       :class:`~ckptstore.errors.TransferError` naming the object, the object is not called damaged.
