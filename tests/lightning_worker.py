@@ -14,6 +14,7 @@ import os
 import sys
 import time
 import warnings
+from typing import Optional
 
 warnings.filterwarnings("ignore")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -41,17 +42,21 @@ def parse():
     p.add_argument("--remote", default=None)
     p.add_argument("--storage-options", default="{}")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per step (to be killed mid-run)")
+    p.add_argument("--stall-at", type=int, default=None,
+                   help="stop at this global step, after logging its loss, until killed (a kill that always "
+                        "lands mid-run, however loaded the machine)")
     return p.parse_args()
 
 
 class Net(L.LightningModule):
-    def __init__(self, log_path: str, sleep: float, fsdp: bool = False, lr: float = 1e-3):
+    def __init__(self, log_path: str, sleep: float, fsdp: bool = False, lr: float = 1e-3,
+                 stall_at: Optional[int] = None):
         super().__init__()
         self.save_hyperparameters(argparse.Namespace(lr=lr, width=32, kind="tiny"))
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.25),
                                        torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Dropout(0.25),
                                        torch.nn.Linear(32, 1))
-        self.log_path, self.sleep, self.fsdp = log_path, sleep, fsdp
+        self.log_path, self.sleep, self.fsdp, self.stall_at = log_path, sleep, fsdp, stall_at
 
     def configure_model(self):
         if self.fsdp:
@@ -69,6 +74,8 @@ class Net(L.LightningModule):
             f.write(json.dumps([int(self.global_step), loss.item(), os.getpid(), x.sum().item()]) + "\n")
         if self.sleep:
             time.sleep(self.sleep)
+        if self.stall_at is not None and self.global_step >= self.stall_at:
+            time.sleep(3600)
         return loss
 
     def configure_optimizers(self):
@@ -121,7 +128,7 @@ def main():
     loader = StatefulDataLoader(data, batch_size=4 if world == 1 else 2, shuffle=True)
     storage_options = json.loads(a.storage_options)
     fsdp = a.strategy == "fsdp"
-    model = Net(log_path, a.sleep, fsdp=fsdp)
+    model = Net(log_path, a.sleep, fsdp=fsdp, stall_at=a.stall_at)
     ckpt = ModelCheckpoint(dirpath=a.names, every_n_train_steps=2, save_top_k=2, monitor="train_loss",
                            save_last=True)
     snap = Snapshot()

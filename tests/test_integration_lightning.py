@@ -231,7 +231,7 @@ def test_ddp_two_ranks_kill_and_resume_bit_for_bit(tmp_path):
     ref_dir = tmp_path / "ref"
     Run(ref_dir, "--strategy", "ddp", "--steps", "8", world=2).finish()
     run_dir = tmp_path / "run"
-    job = Run(run_dir, "--strategy", "ddp", "--resume", "io", "--steps", "8", "--sleep", "0.2", world=2)
+    job = Run(run_dir, "--strategy", "ddp", "--resume", "io", "--steps", "8", "--stall-at", "6", world=2)
     assert job.wait_saving(4), job.output()
     time.sleep(0.3)
     job.kill()
