@@ -1,6 +1,6 @@
 """The commit agreement at scale (issue 19), simulated: one real c10d TCPStore (libuv), one client connection and
 one thread per simulated rank, ckptstore's own agreement code (tests/simranks.py). Rank 0 runs the save's commit
-code (``ckptstore.commit.commit_across_ranks``) on the manifest of a Llama-shaped FSDP2 + AdamW state; the other
+code (``ckptstore.distributed.commit.commit_across_ranks``) on the manifest of a Llama-shaped FSDP2 + AdamW state; the other
 ranks send the parts that code computes for them (a sample of ranks computed from real manifests, checked
 alike). Rank 0 starts once every other rank has sent its part, so its time is the agreement's own work.
 
@@ -34,8 +34,8 @@ def rank0_only(n: int, shape: str) -> dict:
     save's commit code and broadcasts its verdict; nobody reads it (its keys stay: not counted)."""
     import msgpack
     import torch.distributed as dist
-    from ckptstore.collective import StoreCoordinator
-    from ckptstore.commit import commit_across_ranks
+    from ckptstore.distributed.collective import StoreCoordinator
+    from ckptstore.distributed.commit import commit_across_ranks
     from simranks import SimJob, llama_manifest, _blob
 
     server = dist.TCPStore("127.0.0.1", 0, 1, True, use_libuv=True, wait_for_workers=False)

@@ -137,7 +137,7 @@ class Counters:
     def __init__(self):
         import msgpack
         import torch.distributed as dist
-        from ckptstore.collective import StoreCoordinator
+        from ckptstore.distributed.collective import StoreCoordinator
         self.orig: Dict[str, Callable] = {}
         self.reset()
         me = self
@@ -399,8 +399,8 @@ def rank_coord(cfg: dict, rank: int, world: int) -> dict:
     import torch
     import torch.distributed.checkpoint as dcp
     from ckptstore import Store
-    from ckptstore.collective import StoreCoordinator
-    from ckptstore.commit import make_part, root_identity
+    from ckptstore.distributed.collective import StoreCoordinator
+    from ckptstore.distributed.commit import make_part, root_identity
     counters = Counters()
     t = torch.full((cfg["elems"],), float(rank))
     shared = counters.fresh(cfg["dir"], f"coord{world}_", rank)

@@ -16,7 +16,7 @@ same training without a save.
 
 Section 3 (--sections pull): remote resume of the newest step after --steps fine-tune steps (the frozen run)
 uploaded to a moto S3 server on 127.0.0.1 with keep_last=2 there: the newest step reads the frozen tensors
-from the packs of step 1, most of which retention has made dead. Ranged pull (ckptstore.transfer's
+from the packs of step 1, most of which retention has made dead. Ranged pull (ckptstore.remote.transfer's
 RANGED_PULL_THRESHOLD = 0.5, the default) against whole-pack pull (threshold 0), alternated --pull-repeat
 times: bytes fetched from S3, ranged GETs, packs whole / by range, resume seconds, local pack bytes on disk;
 every resume is compared (CRC32 of every tensor) with the state at the last save.
@@ -547,8 +547,8 @@ def section_gpu(args: Any, base: Path) -> dict[str, Any]:
 
 def remote_step_objects(storage, step: int) -> tuple[int, int]:
     """(bytes of the packs the step reads, bytes of its own blobs) on the remote."""
-    from ckptstore.catalog import Catalog
-    from ckptstore.layout import pack_path
+    from ckptstore.format.catalog import Catalog
+    from ckptstore.format.layout import pack_path
     cat = Catalog(storage)
     commit = cat.read_commit(step)
     packs, blobs = set(), {}
@@ -560,7 +560,7 @@ def remote_step_objects(storage, step: int) -> tuple[int, int]:
 
 
 def section_pull(args, base: Path) -> dict[str, Any]:
-    import ckptstore.transfer as transfer
+    import ckptstore.remote.transfer as transfer
     from backends.launcher import S3Server
     from ckptstore import Packing
     device = torch.device("cpu")

@@ -172,7 +172,7 @@ def worker(args, rank: int, world: int) -> dict:
 
 def lost_unique_bytes(root: Path, step: int, ranks) -> int:
     """Raw bytes of the distinct chunks (by id) of ``ranks``' manifests of ``step`` in the store root ``root``."""
-    from ckptstore.manifest import decode_manifest
+    from ckptstore.format.manifest import decode_manifest
     seen = {}
     for r in ranks:
         p = root / "steps" / f"{step:012d}" / f"manifest-rank{r:05d}.msgpack"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Read each byte once at resume (issue 19, ckptstore/fanout.py): chunk bytes read from storage per rank, and
+"""Read each byte once at resume (issue 19, ckptstore/distributed/fanout.py): chunk bytes read from storage per rank, and
 resume time, before (every data-parallel rank reads all it needs) and after (each chunk every rank needs is read
 by one rank and broadcast over gloo), for a DDP + AdamW job on 127.0.0.1.
 

@@ -176,7 +176,7 @@ def count_s3_ops(client) -> None:
 def instrument(store, probe: Probe) -> Callable[[], None]:
     """Wrap ckptstore's hashing and storage calls with timers (in this process; ckptstore is not changed).
     Returns the undo."""
-    import ckptstore.transfer as T
+    import ckptstore.remote.transfer as T
     saved = {"_file_digest": T._file_digest, "digest_bytes": T.digest_bytes}
     T._file_digest = probe.wrap("hash: blake3 of a blob file (> 16 MiB, streamed)", T._file_digest)
     T.digest_bytes = probe.wrap("hash: blake3 of a blob in memory (<= 16 MiB)", T.digest_bytes)
@@ -270,7 +270,7 @@ class Bench:
     def ckptstore(self, workers: int, dedup: bool) -> Callable:
         def run(res: H.Results, url: str) -> None:
             from ckptstore import Remote, Store, Writing
-            from ckptstore.catalog import Catalog
+            from ckptstore.format.catalog import Catalog
             local = C.fresh_dir(self.run_dir, "local-")
             store = Store(local, remote=Remote(url + "/ckpt", workers=workers), storage_options=self.opts,
                           writing=Writing(chunk_size=self.args.chunk_mb * MiB))
@@ -386,9 +386,9 @@ def render_breakdown(res: H.Results) -> str:
 def main() -> int:
     args = parse_args()
     if args.nice is not None:
-        os.environ["CKPTSTORE_BACKGROUND_NICE"] = str(args.nice)   # read when ckptstore.threads is imported
+        os.environ["CKPTSTORE_BACKGROUND_NICE"] = str(args.nice)   # read when ckptstore.util.threads is imported
     import moto
-    from ckptstore.threads import BACKGROUND_NICE
+    from ckptstore.util.threads import BACKGROUND_NICE
     b = Bench(args)
     print(f"state: {b.size / MiB:.0f} MiB in {len(b.flat)} fp32 tensors (d_model {b.d_model}; largest "
           f"{max(C.nbytes(t) for _, t in b.flat) / MiB:.1f} MiB, {sum(C.nbytes(t) > 16 * MiB for _, t in b.flat)} "

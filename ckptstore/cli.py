@@ -11,14 +11,14 @@
 ROOT / URL: a local path, ``file://`` URL, or any fsspec URL (``s3://``, ``gs://``, ...); storage options
 (endpoint, credentials) come from ``--storage-options JSON`` or ``$CKPTSTORE_STORAGE_OPTIONS``, the same on every
 command and for every URL of a command. A step is a number, ``latest`` or ``best`` (see
-:func:`ckptstore.retention.criterion` for what best means: ``--metric`` / ``--mode``, else the criterion the newest commit
+:func:`ckptstore.lifecycle.retention.criterion` for what best means: ``--metric`` / ``--mode``, else the criterion the newest commit
 recorded, else ``loss`` / ``min``).
 
 Exit status: 0 ok, 1 problems found (``verify``, ``pull``: a damaged step; ``gc``: unreadable steps), 2 usage or
 any other error, 3 ``gc`` deferred (saves in flight; nothing deleted by the sweep). An error is one line on
 stderr; ``--debug`` prints the traceback as well. Everything printed that comes from a store (keys, values,
 metrics, messages) is printed as text, never as rich markup, and no credential is ever printed (see
-:mod:`ckptstore.redact`).
+:mod:`ckptstore.util.redact`).
 """
 from __future__ import annotations
 
@@ -35,10 +35,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from . import retention
-from .errors import CheckpointError
-from .redact import redact, register_secrets
-from .state import path_str
+from .lifecycle import retention
+from .util.errors import CheckpointError
+from .util.redact import redact, register_secrets
+from .state.flatten import path_str
 
 console = Console(highlight=False)
 
@@ -230,8 +230,8 @@ def ls_cmd(root, remote, as_json, metric, mode, storage_options):
     """List the steps of a store: committed ones with time, ranks, size, bytes unique to the step and metrics
     (latest and best marked), uncommitted leftovers, and steps a resume set aside (no longer part of the run).
     With --remote, the steps of both and where each is."""
-    from .rewind import asides
-    from .usage import step_usage
+    from .lifecycle.rewind import asides
+    from .lifecycle.usage import step_usage
     places = [("local", root)] + ([("remote", remote)] if remote else [])
     seen: Dict[str, Dict[int, Any]] = {}
     usage: Dict[str, Dict[int, Any]] = {}
@@ -481,7 +481,7 @@ def gc_cmd(root, keep_last, keep_every, keep_best, metric, mode, grace_seconds, 
     """Apply the retention policy given (--keep-last / --keep-every / --keep-best: a step any rule keeps is
     kept; the latest and the best step always are), deleting each dropped step commit marker first; then
     delete blobs no committed step references, uncommitted step directories and stale temp files."""
-    from .usage import bytes_released, step_usage
+    from .lifecycle.usage import bytes_released, step_usage
     verb = "would delete" if dry_run else "deleted"
     with _open(root, storage_options) as store:
         if keep_last or keep_every or keep_best:
@@ -557,11 +557,11 @@ def pull_cmd(url, root, to, step, metric, mode, progress, check, storage_options
     """Copy a committed step of the store at URL into the local store DIR. Every object is verified against
     its hash on the way; the step's commit marker is written last, so an interrupted pull (even SIGKILL) leaves
     no committed partial step, and running it again copies only what is missing."""
-    from .catalog import Catalog
-    from .pointers import point_to_if_newest
+    from .format.catalog import Catalog
+    from .format.pointers import point_to_if_newest
     from .storage import open_storage
     from .store import Store
-    from .transfer import RANGED_PULL_THRESHOLD, StepCopier
+    from .remote.transfer import RANGED_PULL_THRESHOLD, StepCopier
     if root is not None and to is not None and root != to:
         raise click.UsageError(f"destination given twice: {root} and --to {to}")
     dest = to or root
@@ -622,7 +622,7 @@ def export_cmd(root, out, step, key, fmt, metric, mode, storage_options):
     """Write the tensors under KEY of a step to OUT as full tensors (sharded values consolidated), names
     joined with '.', as .safetensors or torch.save (.pt); the file is read back and compared before it is
     put in place. Non-tensor leaves are skipped (listed on stderr)."""
-    from .export import export_step
+    from .io.export import export_step
     with _open(root, storage_options) as store:
         step = _resolve_step(store.catalog, step, metric, mode, str(root))
         rep = export_step(store, out, step=step, key=key,

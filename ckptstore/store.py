@@ -5,11 +5,11 @@ Data flows one way: state -> flatten (:mod:`.state`) -> byte views (:mod:`.snaps
 (:mod:`.writer`, :mod:`.blobs`) -> manifest -> commit marker (:mod:`.catalog`) -> latest pointer
 (:mod:`.pointers`) -> tiers (:mod:`.upload`) and retention (:mod:`.retention`, :mod:`.gc`).
 
-Options come as a few small objects (:class:`~ckptstore.options.Writing`, :class:`~ckptstore.options.Remote`,
-:class:`~ckptstore.retention.Retention`); the shared parts are one :class:`~ckptstore.parts.Parts`; each concern
-runs in a module of its own: saving (:class:`~ckptstore.saving.Saver`), reading and resuming
-(:class:`~ckptstore.loading.Loader`), retention, gc, verify, deletion and pulls
-(:class:`~ckptstore.maintenance.Maintenance`). ``Store``'s public methods check once that the store is open (and
+Options come as a few small objects (:class:`~ckptstore.orchestration.options.Writing`, :class:`~ckptstore.orchestration.options.Remote`,
+:class:`~ckptstore.lifecycle.retention.Retention`); the shared parts are one :class:`~ckptstore.orchestration.parts.Parts`; each concern
+runs in a module of its own: saving (:class:`~ckptstore.orchestration.saving.Saver`), reading and resuming
+(:class:`~ckptstore.orchestration.loading.Loader`), retention, gc, verify, deletion and pulls
+(:class:`~ckptstore.orchestration.maintenance.Maintenance`). ``Store``'s public methods check once that the store is open (and
 writable, for those that write) and delegate.
 """
 from __future__ import annotations
@@ -19,22 +19,22 @@ import logging
 import os
 from typing import Any, Dict, Iterable, List, Mapping, MutableMapping, Optional, Tuple, Union
 
-from .errors import CheckpointError
-from .gc import GCReport
-from .loading import Loader
-from .maintenance import Maintenance
-from .manifest import Commit
-from .memory import Memory
-from .options import Remote, Writing
-from .parts import Parts, default_rank_world, local_path
-from .pointers import read_latest
-from .reader import MapLocation
-from .retention import Retention
-from .rewind import ON_REWIND
-from .saving import SaveHandle, SaveResult, Saver
+from .util.errors import CheckpointError
+from .lifecycle.gc import GCReport
+from .orchestration.loading import Loader
+from .orchestration.maintenance import Maintenance
+from .format.manifest import Commit
+from .memtier.memory import Memory
+from .orchestration.options import Remote, Writing
+from .orchestration.parts import Parts, default_rank_world, local_path
+from .format.pointers import read_latest
+from .io.reader import MapLocation
+from .lifecycle.retention import Retention
+from .lifecycle.rewind import ON_REWIND
+from .orchestration.saving import SaveHandle, SaveResult, Saver
 from .storage import Storage, is_local, open_storage
-from .tiering import MemoryTier
-from .upload import Uploader, leads_other_root
+from .memtier.tiering import MemoryTier
+from .remote.upload import Uploader, leads_other_root
 
 log = logging.getLogger("ckptstore")
 
@@ -67,15 +67,15 @@ class Store:
         rank, world_size: default from ``torch.distributed`` when initialised, else ``RANK`` / ``WORLD_SIZE``
             environment variables, else 0 / 1. Each rank writes its own manifest; rank 0 writes the commit
             marker once every rank's part is durable. Under an initialised process group of this world size,
-            ``save`` and ``resume`` are collective (see :mod:`ckptstore.commit`, :mod:`ckptstore.restore`);
+            ``save`` and ``resume`` are collective (see :mod:`ckptstore.distributed.commit`, :mod:`ckptstore.io.restore`);
             without one, rank 0 polls the shared root for the other ranks' manifests. To save from one
             process alone while a process group exists (e.g. a consolidated export on rank 0), pass
             ``rank=0, world_size=1``.
         collective_timeout: seconds a rank waits for the others in a collective save / resume (default
             600) before raising ``CommitError`` naming the ranks that did not arrive.
-        writing: a :class:`~ckptstore.options.Writing`: how saves write (chunk size, codec, threads, O_DIRECT,
+        writing: a :class:`~ckptstore.orchestration.options.Writing`: how saves write (chunk size, codec, threads, O_DIRECT,
             packing, opt-in change detection).
-        keep: a :class:`~ckptstore.retention.Retention` (``Retention(last=N, every=K, best=M, metric="loss",
+        keep: a :class:`~ckptstore.lifecycle.retention.Retention` (``Retention(last=N, every=K, best=M, metric="loss",
             mode="min")``): the union of the newest N committed steps, every K-th step and the M best by
             ``metrics[metric]``. Never deleted whatever the policy: the newest committed step, the best step
             (:meth:`best_step`), a step whose upload is pending, the step being saved. Applied after every
@@ -83,7 +83,7 @@ class Store:
             kept step references; with ``remote``, applied to the remote too by the uploader after each upload
             (the remote keeps the policy's result; ``Remote(keep_local=)`` may keep fewer locally). The best
             criterion is recorded in every commit marker, so readers find "best" without the policy
-            (:func:`ckptstore.retention.best_step`).
+            (:func:`ckptstore.lifecycle.retention.best_step`).
         on_rewind: what ``save`` does with a step lower than or equal to the newest committed one (locally, or
             on the remote this store uploads to): ``"error"`` (default) raises ``IncompatibleCheckpointError``
             naming both steps; ``"truncate"`` first drops the later steps (locally and on the remote; the
@@ -94,17 +94,17 @@ class Store:
         create: create a missing local root (``False``: raise ``FileNotFoundError``).
         remote: an fsspec URL (``s3://bucket/prefix``, ``gs://...``, ``memory://...``, ``file://...``) to
             which every committed step is uploaded in the background, in commit order, or a
-            :class:`~ckptstore.options.Remote` with its upload knobs (workers, retries, backlog, read-only use,
+            :class:`~ckptstore.orchestration.options.Remote` with its upload knobs (workers, retries, backlog, read-only use,
             ``keep_local``).
         load_path: where to start from when the run has no checkpoint of its own: a store URL (its newest
             valid step), ``<store URL>/steps/<step>`` (that step, zero-padded to 12 digits or not), or model
             weights in the Hub's format, never unpickled: a ``.safetensors`` file or a ``save_pretrained``
             directory (``model.safetensors`` or its index and shards), loaded into ``state["model"]`` (or the
-            one key ``load_components`` names); see :mod:`ckptstore.hub`.
+            one key ``load_components`` names); see :mod:`ckptstore.io.hub`.
         load_components: take only these top-level keys from ``load_path`` (e.g. ``("model",)`` for
             weights-only fine-tuning); the other entries of ``state`` keep their fresh values.
-        memory: a :class:`~ckptstore.memory.Memory`: a RAM-backed tier in front of ``root`` (the disk) and the
-            remote, with its own cadence, capacity and peer replication (see :mod:`ckptstore.tiering`). Saves
+        memory: a :class:`~ckptstore.memtier.memory.Memory`: a RAM-backed tier in front of ``root`` (the disk) and the
+            remote, with its own cadence, capacity and peer replication (see :mod:`ckptstore.memtier.tiering`). Saves
             then go to memory (``save`` of a step due for no tier returns ``None``); every ``disk_every``-th
             memory step is promoted to ``root`` in the background, and the remote receives the disk steps
             ``Remote(every=)`` names. ``resume`` / ``resolve`` look at memory first (this node's, then the
@@ -162,7 +162,7 @@ class Store:
             p.upload_args = self._maintenance.upload_args(remote)
             # started after resume() (or at the first save / wait / close): see Uploader.start. One uploader per
             # store root: rank 0's, and a parts-only one for each other root, started by its lowest rank at its
-            # first commit (see ckptstore.saving), or now when this root already shows it is such a root (a
+            # first commit (see ckptstore.orchestration.saving), or now when this root already shows it is such a root (a
             # restarted job finishing uploads)
             if self.rank == 0:
                 p.uploader = Uploader(storage, p.remote_storage, start=False, **p.upload_args)
@@ -180,7 +180,7 @@ class Store:
         """Where the last :meth:`resume` / :meth:`restore` came from: ``{"tier": "memory"|"local"|"remote"|"load_path",
         "step": int, "url": str, "manifests_read": how many saved ranks' manifests this rank read (1 with an
         unchanged world size; with another, rank 0's and those whose shards overlap this rank's, see
-        ckptstore.shardmap)}`` (``"keys"`` for a restore of some keys, ``"components"`` for ``load_path``; for
+        ckptstore.format.shardmap)}`` (``"keys"`` for a restore of some keys, ``"components"`` for ``load_path``; for
         ``"memory"`` also ``"peer_bytes"`` / ``"peer_objects"``: stored bytes and objects this rank received from
         peers to rebuild its node's parts, ``"peer_bytes_sent"``, and ``"rebuild_seconds"``), or ``None``."""
         return self._loader.resumed_from
@@ -232,7 +232,7 @@ class Store:
         Under an initialised process group the save is collective (every rank calls it with the same step):
         DTensors are saved as their local shards, and the step is committed only when every rank's part is
         durable. If any rank fails (an exception in a Stateful, in flatten, in a write) or does not arrive
-        within ``collective_timeout``, every rank raises the same :class:`~ckptstore.commit.CommitError`
+        within ``collective_timeout``, every rank raises the same :class:`~ckptstore.distributed.commit.CommitError`
         naming the ranks and their errors (chained to this rank's own error), and nothing is committed.
 
         Raises ``TypeError`` naming the key path of an unsupported value before anything is written;
@@ -255,7 +255,7 @@ class Store:
     def wait_for_uploads(self, timeout: Optional[float] = None) -> None:
         """Block until every committed step is on the remote (including a non-blocking save in flight).
 
-        Raises :class:`~ckptstore.errors.UploadError` when an upload failed (after its retries / deadline) or
+        Raises :class:`~ckptstore.util.errors.UploadError` when an upload failed (after its retries / deadline) or
         ``timeout`` seconds passed. A no-op without ``remote``."""
         self.wait(timeout)
         if self._tier is not None:
@@ -367,7 +367,7 @@ class Store:
         broadcasts them; for each, every rank loads its part (pulling it from the remote when its own root
         lacks it) and the ranks agree: a step damaged for one rank falls back for all. DTensor targets (in
         what each Stateful's ``state_dict()`` returns) are filled in place with the bytes their current sharding
-        needs, whatever world size and mesh saved the step (see :mod:`ckptstore.restore`). Values that differ
+        needs, whatever world size and mesh saved the step (see :mod:`ckptstore.io.restore`). Values that differ
         between the saved ranks and are not DTensors are *rank-local*: with another world size, ``rank_local=
         "error"`` (default) raises ``IncompatibleCheckpointError`` naming them and both world sizes, and
         ``rank_local="fresh"`` keeps this run's values for them (logged) and loads the rest.
@@ -397,7 +397,7 @@ class Store:
            repack: Optional[float] = 0.5, wait_seconds: float = 600.0) -> GCReport:
         """Garbage-collect unreferenced blobs and packs, uncommitted step directories, replaced manifests and
         temp files older than ``grace_seconds``; first repack every pack whose live bytes are below ``repack``
-        (a fraction of its size; ``None``: no repack). See :func:`ckptstore.gc.collect`.
+        (a fraction of its size; ``None``: no repack). See :func:`ckptstore.lifecycle.gc.collect`.
 
         Waits for this store's save in flight, then takes the gc lease and waits up to ``wait_seconds`` for
         saves in flight elsewhere (other ranks, other processes); past that, nothing is deleted and

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from ckptstore import Store, Remote, Retention
-from ckptstore.errors import CheckpointError
+from ckptstore.util.errors import CheckpointError
 
 
 class Net(nn.Module):
@@ -174,7 +174,7 @@ def main():
     app = AppState(model, optim)
     progress = {"consumed": 0, "rank": rank} if args.progress else None
     store_root = args.store.replace("{rank}", str(rank)).replace("{node}", str(rank // 2))
-    from ckptstore.retry import RetryPolicy
+    from ckptstore.util.retry import RetryPolicy
     remote = Remote(args.remote, retry=RetryPolicy(deadline=args.upload_deadline, op_timeout=30),
                     upload=rank // 2 != args.no_upload_node) if args.remote else None
     store = Store(store_root, collective_timeout=args.timeout, remote=remote, storage_options=json.loads(args.so),
@@ -210,7 +210,7 @@ def main():
 
     if args.mode == "load":
         if os.environ.get("CKPTSTORE_TEST_RAISE_IN_RESUME") == str(rank):   # a bug, not damage, on this rank
-            import ckptstore.restore as _restore
+            import ckptstore.io.restore as _restore
 
             def _raise(*a, **k):
                 raise RuntimeError(f"injected failure on rank {rank}")

@@ -55,7 +55,7 @@ def flip_byte(path: Path, offset: int = 0) -> None:
 
 def rewrite_frame(path: Path, mutate) -> None:
     """Decode a manifest/commit frame, let ``mutate(body_dict)`` change it, re-encode with a valid checksum."""
-    from ckptstore.manifest import frame
+    from ckptstore.format.manifest import frame
     outer = msgpack.unpackb(path.read_bytes(), raw=False)
     body = msgpack.unpackb(outer["body"], raw=False, strict_map_key=False)
     mutate(body)
@@ -65,7 +65,7 @@ def rewrite_frame(path: Path, mutate) -> None:
 def rewrite_manifest(root, step, mutate, rank: int = 0) -> None:
     """Change a step's manifest with ``mutate(body)`` and re-record its digest in the commit marker, so that
     only the schema checks (not the digest check) stand between the damage and the reader."""
-    from ckptstore.blobs import digest_bytes
+    from ckptstore.format.blobs import digest_bytes
     mf = step_dir(root, step) / f"manifest-rank{rank:05d}.msgpack"
     rewrite_frame(mf, mutate)
     data = mf.read_bytes()

@@ -13,7 +13,7 @@ one node. Options:
   --replicas N     Memory(replicas=N) (default 1; 0: a lost node's memory parts are gone with it).
   --hold-after K   after step K's save: wait for it (and for the uploads), meet, write ``held-rank<r>`` in
                    ``--log`` and sleep until killed (the test SIGKILLs every rank: a node loss).
-  --die-at K       rank ``--die-rank`` attaches a logging.Handler to "ckptstore.replication" that SIGKILLs its
+  --die-at K       rank ``--die-rank`` attaches a logging.Handler to "ckptstore.memtier.replication" that SIGKILLs its
                    own process on the record "step K: sending ...": a real kill in the middle of replication.
                    The other ranks wait for step K's save, report what it raised, and exit at once.
   --mark URL       rank 0 marks ``resumed`` on the counting proxy (tests/countproxy.py) once every rank resumed.
@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from countproxy import mark  # noqa: E402
 
 from ckptstore import Memory, Remote, Retention, RNGState, Store  # noqa: E402
-from ckptstore.errors import CheckpointError  # noqa: E402
+from ckptstore.util.errors import CheckpointError  # noqa: E402
 
 
 class KillOnReplication(logging.Handler):
@@ -84,7 +84,7 @@ def main():
     disk = args.disk.replace("{node}", str(node))
     mem = args.mem.replace("{node}", str(node))
     if args.die_at and rank == args.die_rank:
-        lg = logging.getLogger("ckptstore.replication")
+        lg = logging.getLogger("ckptstore.memtier.replication")
         lg.setLevel(logging.DEBUG)
         lg.addHandler(KillOnReplication(args.die_at))
 

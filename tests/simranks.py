@@ -4,7 +4,7 @@ connection and one thread per simulated rank, ckptstore's own agreement code on 
 Each rank holds the manifest of a Llama-shaped FSDP2 + AdamW state (parameters, ``exp_avg`` and ``exp_avg_sq``
 as DTensor shards on a 1-D mesh of all ranks, ``Shard(0)``, their boxes as torch computes them; a plain 0-d
 ``step`` per parameter, equal on every rank; a per-rank RNG state and data position, rank-local; a replicated
-``progress/epoch``), built from ckptstore's own dataclasses. Rank 0 runs :func:`ckptstore.commit.commit_across_ranks`,
+``progress/epoch``), built from ckptstore's own dataclasses. Rank 0 runs :func:`ckptstore.distributed.commit.commit_across_ranks`,
 the function ``Store.save`` runs, whose marker and shard map land in memory (``SimJob.files``). The other ranks
 run it too (``full=True``), or, to simulate thousands of ranks on one machine, send the part it computes for
 them (the parts of a sample of ranks are computed from real manifests and checked equal in layout).
@@ -26,11 +26,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import numpy as np
 import torch.distributed as dist
 
-from ckptstore import shardmap
-from ckptstore.collective import StoreCoordinator
-from ckptstore.commit import agree_commit, commit_across_ranks, make_part, root_identity
-from ckptstore.manifest import ArrayEntry, ChunkRef, Commit, Manifest, ManifestNode
-from ckptstore.sharding import ShardInfo
+from ckptstore.format import shardmap
+from ckptstore.distributed.collective import StoreCoordinator
+from ckptstore.distributed.commit import agree_commit, commit_across_ranks, make_part, root_identity
+from ckptstore.format.manifest import ArrayEntry, ChunkRef, Commit, Manifest, ManifestNode
+from ckptstore.state.sharding import ShardInfo
 
 # (layers, hidden, kv dim, ffn, vocab): the shapes of Llama-2 7B and Llama-2 70B (grouped-query attention)
 SHAPES = {"7b": (32, 4096, 4096, 11008, 32000), "70b": (80, 8192, 1024, 28672, 32000),
@@ -176,7 +176,7 @@ class SimJob:
             root[f"{step}/COMMIT"] = data
 
         def write_map(gen, data):
-            from ckptstore.blobs import digest_bytes
+            from ckptstore.format.blobs import digest_bytes
             root[f"{step}/shards"] = data
             return bytes.fromhex(digest_bytes(data)), len(data), gen
         return new_commit, write_marker, write_map

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ckptstore.manifest import decode_commit
-from ckptstore.shardmap import ShardMap
+from ckptstore.format.manifest import decode_commit
+from ckptstore.format.shardmap import ShardMap
 from simranks import SimJob, llama_manifest, llama_params
 
 N = 256
@@ -115,7 +115,7 @@ def test_the_rule_walk_names_exactly_the_ranks_torch_places_overlapping_shards_o
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-    from ckptstore.shardmap import _chunk, _Rule, parse_placements
+    from ckptstore.format.shardmap import _chunk, _Rule, parse_placements
     for size in range(0, 40):
         for n in range(1, 9):
             assert [_chunk(size, n, c) for c in range(n)] == \
@@ -151,16 +151,16 @@ def test_the_rule_walk_names_exactly_the_ranks_torch_places_overlapping_shards_o
 
 def test_a_shard_map_written_before_issue_19_is_still_read():
     """The older map form (one box per saved rank and key) decodes and selects the same ranks."""
-    from ckptstore.manifest import frame
-    from ckptstore.shardmap import key_hash
+    from ckptstore.format.manifest import frame
+    from ckptstore.format.shardmap import key_hash
     path = ("model", "w")
     boxes = [[key_hash(path), [[r, [3 * r, 0], [3, 4]] for r in range(4)]]]
     data = frame("shards", {"step": 5, "world_size": 4, "boxes": boxes, "rank_local": [["rng"]]})
     smap = ShardMap.decode(data, step=5, world_size=4, what="shards")
     assert smap.ranks(path, (12, 4), ((4, 0), (4, 4)), prefer=0) == [1, 2]
     assert smap.rank_local == [("rng",)]
-    from ckptstore.manifest import ArrayEntry, Manifest, ManifestNode
-    from ckptstore.sharding import ShardInfo
+    from ckptstore.format.manifest import ArrayEntry, Manifest, ManifestNode
+    from ckptstore.state.sharding import ShardInfo
 
     def rank2(offset):
         entry = ArrayEntry("float32", (3, 4), [], shard=ShardInfo((12, 4), offset, (4,), ("S(0)",)))
@@ -179,7 +179,7 @@ def test_device_meshes_are_told_apart_by_their_ranks_not_by_object():
     import dataclasses
 
     import numpy as np
-    from ckptstore.shardmap import build_rule, layout
+    from ckptstore.format.shardmap import build_rule, layout
     grid = np.arange(16, dtype="<i4").tobytes()
     m = llama_manifest("tiny", 3, 16, grid)
     same = llama_manifest("tiny", 3, 16, grid)

@@ -217,7 +217,7 @@ def test_gc_retention_keeps_latest_and_best(five_steps):
 
 
 def test_retention_criterion_and_policy_as_the_cli_uses_them():
-    from ckptstore.retention import Retention, StepInfo, best_step, criterion
+    from ckptstore.lifecycle.retention import Retention, StepInfo, best_step, criterion
 
     class C:
         def __init__(self, step, metrics, best=None):
@@ -239,7 +239,7 @@ def test_retention_criterion_and_policy_as_the_cli_uses_them():
 
 
 # -- pull ---------------------------------------------------------------------------------------------------
-SLOW_PULL = ("import sys, time, ckptstore.transfer as t\n"
+SLOW_PULL = ("import sys, time, ckptstore.remote.transfer as t\n"
              "orig = t.StepCopier._copy_blob\n"
              "def slow(*a, **k):\n    time.sleep(0.2)\n    return orig(*a, **k)\n"
              "t.StepCopier._copy_blob = slow\n"

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from ckptstore import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError, Store
 from ckptstore.cli import main as cli
-from ckptstore.catalog import Catalog
+from ckptstore.format.catalog import Catalog
 from helpers import chunks_of_key
 
 

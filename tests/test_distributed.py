@@ -79,7 +79,7 @@ def test_a_missing_shard_map_falls_back_to_every_manifest(saved4, tmp_path):
 def test_a_shard_map_that_lies_falls_back_to_every_manifest(saved4, tmp_path, lie):
     """The map only selects manifests: one naming the wrong ranks (re-recorded in the commit marker, so only
     the coverage check stands in the way) or holding out-of-range boxes still loads bit for bit."""
-    from ckptstore.blobs import digest_bytes
+    from ckptstore.format.blobs import digest_bytes
     store = tmp_path / "store"
     shutil.copytree(saved4 / "store", store)
     (path,) = [p for p in step_dir(store, 3).iterdir() if p.name.startswith("shards")]
@@ -346,9 +346,9 @@ def test_two_nodes_upload_their_parts_and_the_remote_step_needs_all_of_them(tmp_
 def test_a_hostile_sharded_entry_is_a_checkpoint_error_and_resume_falls_back(tmp_path):
     """A dtensor node claiming a global shape its shards do not cover fails that step only (no allocation of
     the claimed size, no other exception type), and resume takes the older step."""
-    from ckptstore.errors import CheckpointError
-    from ckptstore.manifest import Commit
-    from ckptstore.sharding import ShardInfo
+    from ckptstore.util.errors import CheckpointError
+    from ckptstore.format.manifest import Commit
+    from ckptstore.state.sharding import ShardInfo
     with Store(tmp_path) as s:
         s.save({"w": torch.ones(4)}, 1)
         s.save({"w": torch.full((4,), 2.0)}, 2)
@@ -370,7 +370,7 @@ def test_ddp_replicated_keys_are_saved_by_rank_0_only_and_load_on_any_world_size
     """save(replicated=["app"]) under 2-rank DDP: rank 1's manifest holds none of the model and optimizer (its
     ranks neither hash nor write them), yet every rank resumes them exactly, as does a 1-rank job; a job whose
     ranks disagree on the replicated keys commits nothing."""
-    from ckptstore.catalog import Catalog
+    from ckptstore.format.catalog import Catalog
     store = tmp_path / "rep"
     run(2, "--mode", "save", "--ddp", "1", "--store", str(store), "--steps", "3", "--replicated", "app",
         "--full", str(tmp_path / "w.pt"))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ckptstore import ElasticSampler, IncompatibleCheckpointError, Store
-from ckptstore.data import SamplerMismatchError
+from ckptstore.state.data import SamplerMismatchError
 
 from dist import Job
 

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from ckptstore.manifest import (ArrayEntry, ChunkRef, Commit, Manifest, ManifestNode, decode_commit, decode_manifest,
+from ckptstore.format.manifest import (ArrayEntry, ChunkRef, Commit, Manifest, ManifestNode, decode_commit, decode_manifest,
                                 encode_commit, encode_manifest)
-from ckptstore.repack import repoint
+from ckptstore.lifecycle.repack import repoint
 
 OLD_PACK, NEW_PACK, OTHER_PACK = "a" * 64, "b" * 64, "c" * 64
 CHUNK, KEPT = "1" * 64, "2" * 64

@@ -97,7 +97,7 @@ def build_template(root: Path):
 
 
 def _chunk_file(c):
-    from ckptstore.layout import blob_path, pack_path
+    from ckptstore.format.layout import blob_path, pack_path
     return pack_path(c.pack) if c.pack is not None else blob_path(c.blob_id, c.codec)
 
 
@@ -128,15 +128,15 @@ def _read_body(path: Path):
 def _frame_raw(kind: str, packed: bytes, fmt: int = 2) -> bytes:
     """A frame around arbitrary body bytes, with a valid checksum (for byte mutations of the body)."""
     import msgpack
-    from ckptstore.blobs import digest_bytes
+    from ckptstore.format.blobs import digest_bytes
     return msgpack.packb({"magic": "ckptstore", "kind": kind, "format": fmt, "body": packed,
                           "blake3": bytes.fromhex(digest_bytes(packed))}, use_bin_type=True)
 
 
 def _fix_commit_digest(root: Path, step_dir: Path):
     """Re-record the manifest's digest and size in the commit marker (so only the schema checks remain)."""
-    from ckptstore.blobs import digest_bytes
-    from ckptstore.manifest import frame
+    from ckptstore.format.blobs import digest_bytes
+    from ckptstore.format.manifest import frame
     data = (step_dir / "manifest-rank00000.msgpack").read_bytes()
     outer, body = _read_body(step_dir / "COMMIT")
     for ref in body.get("manifests") or []:
@@ -408,7 +408,7 @@ def _safe(mutate, rng, body) -> str:
 
 
 def mutate_case(rng, root: Path, own_files, cache: Path) -> str:
-    from ckptstore.manifest import frame
+    from ckptstore.format.manifest import frame
     sd = root / "steps" / f"{20:012d}"
     r = rng.random()
     if r < 0.55:

@@ -16,7 +16,7 @@ import pytest
 
 import test_fuzz as F
 from ckptstore import CheckpointError, Store, Remote
-from ckptstore.retry import RetryPolicy
+from ckptstore.util.retry import RetryPolicy
 
 pytestmark = pytest.mark.remote
 CASES = int(os.environ.get("CKPTSTORE_FUZZ_REMOTE_CASES", "40"))

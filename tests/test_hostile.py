@@ -21,7 +21,7 @@ import torch
 
 from ckptstore import (IncompatibleCheckpointError, CheckpointError, CorruptCheckpointError, Packing, Store,
                        UploadError, Remote, Retention, Writing)
-from ckptstore.retry import RetryPolicy
+from ckptstore.util.retry import RetryPolicy
 from helpers import blobs_of_key, chunks_of_key, flip_byte, rewrite_frame, rewrite_manifest, step_dir
 from test_cli import cli
 
@@ -174,7 +174,7 @@ def test_hostile_manifest_is_a_corrupt_step_and_resume_falls_back(two_steps, mut
 def test_oversized_commit_marker_and_manifest_are_refused_without_reading_them_whole(two_steps):
     """A commit marker past MAX_COMMIT_BYTES, or a manifest longer than its marker records, is a corrupt step
     (read with a bound: one byte past the limit is all it takes), and resume falls back."""
-    from ckptstore.manifest import MAX_COMMIT_BYTES
+    from ckptstore.format.manifest import MAX_COMMIT_BYTES
     commit = step_dir(two_steps, 20) / "COMMIT"
     good = commit.read_bytes()
     commit.write_bytes(good + b"\0" * (MAX_COMMIT_BYTES + 1 - len(good)))
@@ -254,7 +254,7 @@ BOUNDED = textwrap.dedent(r"""
     resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
     import blake3, torch, zstandard
     from ckptstore import CheckpointError, Packing, Store, Writing
-    from ckptstore.manifest import frame
+    from ckptstore.format.manifest import frame
     sys.path.insert(0, sys.argv[2])
     from helpers import chunks_of_key, rewrite_manifest
     root, n = sys.argv[1], 4 << 30

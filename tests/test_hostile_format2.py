@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ckptstore import CorruptCheckpointError, Packing, RNGState, Store, Remote, Writing
-from ckptstore.retry import RetryPolicy
+from ckptstore.util.retry import RetryPolicy
 from ckptstore.storage import open_storage
 from dist import Job
 from helpers import rewrite_manifest

@@ -92,7 +92,7 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def manifest(root: Path, step: int, rank: int):
-    from ckptstore.manifest import decode_manifest
+    from ckptstore.format.manifest import decode_manifest
     p = step_dir(root, step) / f"manifest-rank{rank:05d}.msgpack"
     return decode_manifest(p.read_bytes(), step=step, rank=rank, what=str(p))
 

@@ -4,7 +4,7 @@ recognised as ours, not taken for a conflict; a body damaged or cut short in tra
 for damage of the checkpoint. Against the loopback S3 server the tests start."""
 import pytest
 
-from ckptstore.retry import RetryPolicy, is_transient
+from ckptstore.util.retry import RetryPolicy, is_transient
 from ckptstore.storage import open_storage
 from ckptstore import Remote
 
@@ -62,11 +62,11 @@ def test_uploads_recover_in_the_same_process_once_the_network_heals(tmp_path, s3
 
     import torch
     from ckptstore import Store
-    from ckptstore.errors import UploadError
+    from ckptstore.util.errors import UploadError
     from faultproxy import FaultProxy
 
-    import ckptstore.lease
-    monkeypatch.setattr(ckptstore.lease, "TTL", 4.0)   # the remote writer lease is renewed every second, under faults
+    import ckptstore.lifecycle.lease
+    monkeypatch.setattr(ckptstore.lifecycle.lease, "TTL", 4.0)   # the remote writer lease is renewed every second, under faults
     url, opts = s3_bucket_url
     upstream = int(opts["endpoint_url"].rsplit(":", 1)[1].split("/")[0])
     with FaultProxy(upstream, seed=17) as proxy:

@@ -14,16 +14,16 @@ import pytest
 import torch
 
 from ckptstore import IncompatibleCheckpointError, Packing, Retention, Store, Writing, Remote
-from ckptstore.blobs import BlobStore
-from ckptstore.catalog import Catalog
-from ckptstore.gc import collect
-from ckptstore.layout import LATEST
-from ckptstore.manifest import Commit, decode_commit, encode_commit
-from ckptstore.pointers import decode_pointer
-from ckptstore import retention
-from ckptstore.retention import AnyOf, BestN, EveryNSteps, LatestN, StepInfo, best_step
+from ckptstore.format.blobs import BlobStore
+from ckptstore.format.catalog import Catalog
+from ckptstore.lifecycle.gc import collect
+from ckptstore.format.layout import LATEST
+from ckptstore.format.manifest import Commit, decode_commit, encode_commit
+from ckptstore.format.pointers import decode_pointer
+from ckptstore.lifecycle import retention
+from ckptstore.lifecycle.retention import AnyOf, BestN, EveryNSteps, LatestN, StepInfo, best_step
 from ckptstore.storage import open_storage
-from ckptstore.transfer import StepCopier
+from ckptstore.remote.transfer import StepCopier
 from helpers import data_files
 
 REPO = Path(__file__).resolve().parents[1]

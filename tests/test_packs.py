@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from ckptstore import CheckpointError, CorruptCheckpointError, Packing, Store, Writing, Remote
-from ckptstore.packs import coalesce, plan_packs, ReadItem
-from ckptstore.manifest import ChunkRef
-from ckptstore.state import TORCH_DTYPES
+from ckptstore.format.packs import coalesce, plan_packs, ReadItem
+from ckptstore.format.manifest import ChunkRef
+from ckptstore.state.flatten import TORCH_DTYPES
 from fixture_v1 import fixture_state
 from helpers import blob_files, chunks_of_key, data_files, flip_byte, pack_files, rewrite_manifest, step_dir
 

@@ -13,7 +13,7 @@ import fsspec
 import pytest
 import torch
 
-import ckptstore.transfer as transfer
+import ckptstore.remote.transfer as transfer
 from ckptstore import CorruptCheckpointError, Packing, Retention, Store, Remote, Writing
 from ckptstore.storage import open_storage
 from helpers import pack_files

@@ -1,4 +1,4 @@
-"""Read each byte once at resume (issue 19, ckptstore/fanout.py): real DDP + AdamW jobs on gloo / 127.0.0.1
+"""Read each byte once at resume (issue 19, ckptstore/distributed/fanout.py): real DDP + AdamW jobs on gloo / 127.0.0.1
 (tests/read_once_worker.py). Each load job resumes several times in the same processes: with read-once turned off
 (``CKPTSTORE_READ_ONCE=0``: every rank reads all it needs, as before), on (``=1``), and as ckptstore decides by
 default (on for object stores and shared filesystems, off for a node's own disk); every rank counts the chunk
@@ -15,10 +15,10 @@ import json
 import pytest
 
 from ckptstore import Store
-from ckptstore.catalog import Catalog
-from ckptstore.fanout import LOCAL_DISKS
-from ckptstore.layout import blob_path
-from ckptstore.manifest import ARRAY_KINDS
+from ckptstore.format.catalog import Catalog
+from ckptstore.distributed.fanout import LOCAL_DISKS
+from ckptstore.format.layout import blob_path
+from ckptstore.format.manifest import ARRAY_KINDS
 from ckptstore.storage import open_storage
 from ckptstore.storage.local import filesystem_type
 from dist import Job

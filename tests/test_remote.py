@@ -16,9 +16,9 @@ import torch
 
 from backends.pytest_plugin import require_restart
 from ckptstore import CorruptCheckpointError, Store, UploadError, Remote, Writing
-from ckptstore.layout import LATEST
-from ckptstore.pointers import advance_latest, decode_pointer
-from ckptstore.retry import RetryPolicy
+from ckptstore.format.layout import LATEST
+from ckptstore.format.pointers import advance_latest, decode_pointer
+from ckptstore.util.retry import RetryPolicy
 from ckptstore.storage import open_storage
 from helpers import chunks_of_key, data_files
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ckptstore import Packing, Store, Writing
-from ckptstore.packs import ReadItem, read_chunks
+from ckptstore.format.packs import ReadItem, read_chunks
 from helpers import pack_files
 
 SMALL = Packing(threshold=64 << 10, target_size=1 << 20)
@@ -96,7 +96,7 @@ def test_repack_threshold(tmp_path):
 KILLED_GC = """
     import sys, time
     from ckptstore import Store
-    from ckptstore.catalog import Catalog
+    from ckptstore.format.catalog import Catalog
     pause = float(sys.argv[2])
     for name in ("write_manifest", "write_commit"):                  # slowed down, so kills land mid-protocol
         real = getattr(Catalog, name)

@@ -105,11 +105,11 @@ def test_resume_lists_the_same_whatever_the_number_of_steps(tmp_path, s3_bucket_
 def test_throttled_requests_are_retried_with_backoff_and_the_upload_completes(tmp_path, s3_bucket_url, status):
     """While a third of the connections are answered ``503 SlowDown`` (S3's throttling) or ``429 Too Many
     Requests`` (GCS's, some S3-compatible servers'), saves still reach the remote and a fresh disk resumes the
-    newest step bit for bit: both are classified as throttling and retried with backoff (ckptstore.retry), never
+    newest step bit for bit: both are classified as throttling and retried with backoff (ckptstore.util.retry), never
     taken for damage or a missing object."""
     import torch
     from ckptstore import Remote, Store
-    from ckptstore.retry import RetryPolicy
+    from ckptstore.util.retry import RetryPolicy
     from faultproxy import FaultProxy
 
     url, opts = s3_bucket_url

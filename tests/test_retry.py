@@ -2,7 +2,7 @@
 import pytest
 
 from ckptstore import CorruptCheckpointError, UploadError
-from ckptstore.retry import RetryPolicy, is_transient
+from ckptstore.util.retry import RetryPolicy, is_transient
 
 BLOB = "4290500aa" + "0" * 55          # a blob id whose hex digits contain "429" and "500"
 
@@ -93,7 +93,7 @@ def test_a_dropped_connection_under_the_catalog_is_retried_not_taken_for_damage(
     to an older step); beneath it, the reads of a remote step being pulled or read are retried."""
     import torch
     from ckptstore import CheckpointError, Store
-    from ckptstore.catalog import Catalog
+    from ckptstore.format.catalog import Catalog
     from ckptstore.storage import open_storage
     from ckptstore.storage.retrying import RetryingStorage
     with Store(tmp_path / "s") as s:

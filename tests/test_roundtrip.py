@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptstore import RNGState, Store, Writing
-from ckptstore.state import TORCH_DTYPES
+from ckptstore.state.flatten import TORCH_DTYPES
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from ckptstore import Packing, Remote, Store, Writing
-from ckptstore import gc as gc_module
-from ckptstore.errors import CheckpointError
-from ckptstore.layout import LATEST
-from ckptstore.pointers import decode_pointer
+from ckptstore.lifecycle import gc as gc_module
+from ckptstore.util.errors import CheckpointError
+from ckptstore.format.layout import LATEST
+from ckptstore.format.pointers import decode_pointer
 from ckptstore.storage import open_storage
-from ckptstore.upload import truncate_steps
+from ckptstore.remote.upload import truncate_steps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dist import Job  # noqa: E402

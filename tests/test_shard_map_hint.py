@@ -13,10 +13,10 @@ import msgpack
 import pytest
 
 from ckptstore import CorruptCheckpointError, Store
-from ckptstore.blobs import digest_bytes
-from ckptstore.layout import shards_path
-from ckptstore.manifest import frame
-from ckptstore.shardmap import key_hash
+from ckptstore.format.blobs import digest_bytes
+from ckptstore.format.layout import shards_path
+from ckptstore.format.manifest import frame
+from ckptstore.format.shardmap import key_hash
 from helpers import rewrite_frame, rewrite_manifest, step_dir
 from test_fuzz import bits_equal
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ckptstore import Remote, RetryPolicy, Store, UploadError
-from ckptstore.layout import LATEST
+from ckptstore.format.layout import LATEST
 from ckptstore.storage import open_storage
 from faultproxy import FaultProxy
 
@@ -60,8 +60,8 @@ def _state(step):
 
 @pytest.mark.parametrize("kind", ["s3", "gcs"])
 def test_close_returns_within_the_deadline_when_the_store_stops_answering(tmp_path, request, kind, monkeypatch):
-    import ckptstore.lease
-    monkeypatch.setattr(ckptstore.lease, "TTL", 3.0)    # the writer lease close() could not release goes stale
+    import ckptstore.lifecycle.lease
+    monkeypatch.setattr(ckptstore.lifecycle.lease, "TTL", 3.0)    # the writer lease close() could not release goes stale
     url, opts = request.getfixturevalue(f"{kind}_bucket_url")
     with FaultProxy(_upstream(opts)) as proxy:
         with Store(tmp_path / "run", remote=Remote(url, retry=HEALTHY), storage_options=_through(proxy, opts)) as s:

@@ -106,8 +106,8 @@ def test_transfers_damaged_until_the_deadline_make_resume_raise_naming_the_step(
 def test_an_object_damaged_on_the_server_still_falls_back_to_the_older_step(tmp_path, s3_bucket_url, s3_server):
     """Step 3's own pack is overwritten in the bucket with one byte flipped: the same bad bytes come back on
     every read, so it is damage, and resume falls back to step 2, as before (no TransferError)."""
-    from ckptstore.catalog import Catalog
-    from ckptstore.layout import pack_path
+    from ckptstore.format.catalog import Catalog
+    from ckptstore.format.layout import pack_path
     from ckptstore.storage import open_storage
 
     url, opts = s3_bucket_url
@@ -141,9 +141,9 @@ def test_a_transfer_error_on_one_rank_raises_on_every_rank_naming_the_step():
 
     import torch.distributed as dist
 
-    from ckptstore.collective import StoreCoordinator
-    from ckptstore.errors import UploadError
-    from ckptstore.resume import first_valid_step
+    from ckptstore.distributed.collective import StoreCoordinator
+    from ckptstore.util.errors import UploadError
+    from ckptstore.distributed.resume import first_valid_step
 
     server = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=30), wait_for_workers=False)
     outcome, tried = {}, {0: [], 1: []}

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from ckptstore import CheckpointError, Packing, Store, Retention, Writing
-from ckptstore import lease as lease_mod
-from ckptstore.catalog import Catalog
-from ckptstore.layout import GC_LEASE, INFLIGHT, WRITER_LEASE
+from ckptstore.lifecycle import lease as lease_mod
+from ckptstore.format.catalog import Catalog
+from ckptstore.format.layout import GC_LEASE, INFLIGHT, WRITER_LEASE
 from ckptstore.storage import LocalStorage
 from helpers import blob_files, data_files
 
@@ -119,7 +119,7 @@ def test_a_holder_that_lost_its_lease_does_not_commit(tmp_path):
 KILLED_MID_SAVE = """
     import sys, time, torch
     from ckptstore import Store
-    from ckptstore.catalog import Catalog
+    from ckptstore.format.catalog import Catalog
     real = Catalog.write_manifest
     def hang(self, *a, **kw):
         print("in flight", flush=True)

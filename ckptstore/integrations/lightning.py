@@ -40,8 +40,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
-from ckptstore import RNGState, Store
-from ckptstore.errors import CheckpointError
+from ckptstore import CheckpointError, RNGState, Store
 
 log = logging.getLogger("ckptstore.lightning")
 
@@ -428,7 +427,7 @@ class CkptstoreCheckpointIO(CheckpointIO):
     RNG state exactly where the uninterrupted run had it (needed with resumable data loaders; see ``_RNGRestore``).
 
     Raises (from ``save_checkpoint``): ``TypeError`` naming the key of a value ckptstore cannot store or when
-    ``storage_options`` is passed to ``Trainer.save_checkpoint``; ``ckptstore.errors.IncompatibleCheckpointError``
+    ``storage_options`` is passed to ``Trainer.save_checkpoint``; ``ckptstore.util.errors.IncompatibleCheckpointError``
     when the step is older than the newest committed one (a run resumed from an older checkpoint: pass
     ``on_rewind="truncate"`` to drop the later steps); ``OSError`` from the disk.
     """

@@ -1,10 +1,14 @@
-"""Storage backends: one small interface (:class:`Storage`), a local and an fsspec implementation."""
+"""Storage backends: one small interface (:class:`Storage`), a local and an fsspec implementation, and the
+retrying wrapper every remote storage is opened in.
+
+Imports: :mod:`ckptstore.util` only.
+"""
 from __future__ import annotations
 
 import os
 from typing import Optional
 
-from ..retry import RetryPolicy
+from ..util.retry import RetryPolicy
 
 from .base import Storage
 from .fsspec_storage import FsspecStorage

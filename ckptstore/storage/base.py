@@ -1,6 +1,6 @@
 """The small storage interface every backend implements.
 
-Paths are store-relative, ``/``-separated, and come from :mod:`ckptstore.layout` only. A backend knows bytes
+Paths are store-relative, ``/``-separated, and come from :mod:`ckptstore.format.layout` only. A backend knows bytes
 and names, nothing of tensors, steps or manifests. Two write primitives carry the commit protocol:
 
 * :meth:`Storage.write_atomic` replaces a file as a whole: a reader sees the old bytes or the new ones, never a

@@ -8,7 +8,7 @@ writers but harmless for content-addressed blobs (both write the same bytes).
 The caller's random generators (issue 26, README "Randomness"): the client libraries draw from Python's global
 ``random``, at import (s3fs -> httpx -> rich: ``rich/style.py`` takes ``getrandbits(24)``) and in their retry
 jitter, which would run in the I/O threads at moments set by the network. So botocore's own retries are turned
-off (``retries={"total_max_attempts": 1}``: the store's :class:`~ckptstore.retry.RetryPolicy` retries, with a
+off (``retries={"total_max_attempts": 1}``: the store's :class:`~ckptstore.util.retry.RetryPolicy` retries, with a
 generator of its own; s3fs's own retries wait fixed times), the remaining libraries' module-level jitter is
 given a private generator (:data:`PRIVATE_JITTER`), and the first import of a backend runs under
 :func:`_backend_imported`, which puts ``random``'s state back afterwards. Known remainder: gcsfs's batch delete
@@ -26,12 +26,12 @@ from typing import List, Optional
 
 import fsspec
 
-from ..redact import redact, register_secrets, split_userinfo
+from ..util.redact import redact, register_secrets, split_userinfo
 from .base import Buffer, BytesReads, Storage
 
 
 def _redact(url: str) -> str:
-    # never let credentials embedded in a URL reach logs or error messages (see ckptstore.redact)
+    # never let credentials embedded in a URL reach logs or error messages (see ckptstore.util.redact)
     return redact(url)
 
 

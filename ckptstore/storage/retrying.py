@@ -1,5 +1,5 @@
 """A remote :class:`~ckptstore.storage.base.Storage` whose every call runs under the store's
-:class:`~ckptstore.retry.RetryPolicy`: the one place where remote calls get their per-attempt timeout,
+:class:`~ckptstore.util.retry.RetryPolicy`: the one place where remote calls get their per-attempt timeout,
 their retries and their deadline (restic's backend_retry shape: the code above never sees a retry).
 
 :func:`~ckptstore.storage.open_storage` wraps every remote storage it opens in it, so every path that talks to
@@ -7,26 +7,26 @@ an object store (uploads, resume, pulls, the writer lease and its heartbeat, in-
 retention, listings, pointer reads and writes, ``close``) is bounded the same way (issue 26 item 6: ``close()``
 waited forever in a lease release made without the policy).
 
-* Each attempt runs in a daemon thread (:class:`~ckptstore.threads.DaemonPool`) and is abandoned after
+* Each attempt runs in a daemon thread (:class:`~ckptstore.util.threads.DaemonPool`) and is abandoned after
   ``op_timeout`` seconds (it counts as stalled, and may finish on its own later; a process exit never waits
   for it). A read into a caller's buffer
   (``read_into``, ``read_range_*``) reads into private bytes first and copies them into the caller's buffer
   only once the attempt returned, so an abandoned attempt never writes into memory the caller has moved on with.
-* Outside any :meth:`RetryPolicy.call <ckptstore.retry.RetryPolicy.call>`, a call is retried under the policy
-  (transient errors only; a missing object or damage is raised at once, see :func:`ckptstore.retry.is_transient`).
+* Outside any :meth:`RetryPolicy.call <ckptstore.util.retry.RetryPolicy.call>`, a call is retried under the policy
+  (transient errors only; a missing object or damage is raised at once, see :func:`ckptstore.util.retry.is_transient`).
   Inside one (a step copy's compound operation), it makes one attempt and leaves retries and the deadline to
   the enclosing call, so retries never nest.
-* One :class:`~ckptstore.retry.Outage` per storage, which every attempt reports to: a call's deadline
+* One :class:`~ckptstore.util.retry.Outage` per storage, which every attempt reports to: a call's deadline
   (or that of the RetryPolicy.call around it) counts from its start or from the moment the storage stopped
   answering, whichever is earlier; a call made after a whole deadline of silence makes one attempt and gives
   up. ``close()`` therefore returns or raises within about ``deadline + 2 x op_timeout`` seconds of the
   storage going silent (the uploads in flight give up by the deadline, then the step's in-flight marker and
   the writer lease get one attempt each).
 
-Past the deadline the last error is raised as :class:`~ckptstore.errors.UploadError` (a
-:class:`~ckptstore.errors.TransferError`: resume raises it, and neither skips the step nor starts fresh). A
-missing object or damage is raised at once (see :func:`ckptstore.retry.is_transient`); bytes that arrive but
-fail their check are judged above, by :func:`ckptstore.blobs.read_verified`.
+Past the deadline the last error is raised as :class:`~ckptstore.util.errors.UploadError` (a
+:class:`~ckptstore.util.errors.TransferError`: resume raises it, and neither skips the step nor starts fresh). A
+missing object or damage is raised at once (see :func:`ckptstore.util.retry.is_transient`); bytes that arrive but
+fail their check are judged above, by :func:`ckptstore.format.blobs.read_verified`.
 """
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ import concurrent.futures
 import functools
 from typing import Any, Callable, Optional, TypeVar
 
-from ..retry import Outage, RetryPolicy, current_operation, is_transient
-from ..threads import DaemonPool
+from ..util.retry import Outage, RetryPolicy, current_operation, is_transient
+from ..util.threads import DaemonPool
 from .base import BytesReads
 
 T = TypeVar("T")
@@ -111,7 +111,7 @@ class RetryingStorage(BytesReads):
         return f"RetryingStorage({self.storage!r})"
 
 
-#: where every attempt runs: daemon threads, reused (see :class:`~ckptstore.threads.DaemonPool`)
+#: where every attempt runs: daemon threads, reused (see :class:`~ckptstore.util.threads.DaemonPool`)
 _ATTEMPTS = DaemonPool("ckptstore-remote-call")
 
 

@@ -1,0 +1,517 @@
+"""The shard map of a step: which saved rank holds which box of every sharded key, and which plain values are
+rank-local. It lets a resume on another world size read only the manifests it needs.
+
+Without it, a rank that reshards must read every saved rank's manifest to find the shards overlapping its own
+(and to tell rank-local values from replicated ones): O(saved ranks) reads per rank, quadratic over the job
+(the "resume reading every file on every rank" of pytorch#125740). With it, a rank reads the commit marker,
+this map, rank 0's manifest (plain values) and the manifests of the ranks whose shards overlap its targets.
+
+**Described by rule, not by box** (issue 19). A DTensor's local shard is, by torch's definition, a function of
+(global shape, mesh shape, the rank's mesh coordinate, placements). So the map records, once per sharded key,
+its 8-byte key hash, global shape, mesh and placements, and once per device mesh its rank grid (4 bytes per
+rank of the mesh): O(keys + ranks), never O(keys x ranks). A reader finds the saved ranks overlapping a target
+box by walking the mesh dims (a bisection per ``Shard`` dim, one coordinate per ``Replicate`` dim), never by
+scanning ranks. The map is exact only when every rank laid its shards out alike, so at every save each rank
+sends rank 0 8 bytes hashing its layout (key hashes, global shapes, placements, mesh grids) and one bit saying
+its own boxes are what the rule gives for its coordinate (:func:`layout`); rank 0 writes a map only when every
+rank's layout equals its own and every bit is set. Placements other than ``Shard(d)`` / ``Replicate`` (e.g.
+``_StridedShard`` of FSDP2 + TP) are recorded but not walked: a reader reads every manifest for those keys.
+
+**Rank-local values** are found by group digests: each rank hashes its plain values (not DTensors, not keys
+saved as replicated) in at most :data:`MAX_GROUPS` groups (top-level keys, split into their children where a
+key has few: ``rng/torch``, ``progress/consumed``), 16 bytes a group (:func:`plain_groups`); rank 0 folds them
+rank by rank (:class:`RankLocalFold`): a group whose digest differs on any rank is rank-local. The map records
+the top-most rank-local paths (``None``, "unknown": readers compare the manifests, when some rank holds a group
+rank 0 does not).
+
+Who writes it (FORMAT.md "Shard map"): rank 0 builds it from its own manifest and meshes (:func:`build_rule`)
+and writes it as ``steps/<step>/shards[.g<gen>].msgpack`` before the commit marker, which records its digest;
+a leader of another root builds the same bytes from its own manifest and the rank-local paths in its message,
+and writes them only when their digest is the one recorded. Keys are named by hash: the map only *selects*
+manifests; the shards come from the manifests, matched by their full key path and checked to cover every
+target element, and a map that selects too few ranks, cannot be read, or does not describe the first manifest
+the reader reads as it is (:meth:`ShardMap.check_manifest`) makes the reader fall back to every manifest,
+logged: the map is a hint, the manifests are the truth (issue 26). Maps written before issue 19 (one box per
+rank and key, ``"boxes"``) are still read, under the same rules.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import msgpack
+import numpy as np
+
+from ..util.errors import CorruptCheckpointError
+from .manifest import ARRAY_KINDS, CONTAINER_KINDS, Manifest, frame, unframe
+from ..state.sharding import SavedShard, ShardIndex
+from ..state.flatten import KeyPath, path_str
+
+log = logging.getLogger("ckptstore")
+
+Box = Tuple[Tuple[int, ...], Tuple[int, ...]]
+MAX_SHARD_MAP_BYTES = 256 << 20      # a reader never reads more (about 8 M saved shard boxes)
+MAX_GROUPS = 64                      # plain-value groups a rank sends (16 bytes each); more -> one per top key
+SPLIT_CHILDREN = 16                  # a top-level key with at most this many children is split into them
+MAX_SENT_GROUPS = 256                # beyond this many top-level keys: rank-local values are "unknown"
+
+
+def key_hash(path: KeyPath) -> bytes:
+    """8 bytes naming a key path (its components are str / int)."""
+    return hashlib.blake2b(msgpack.packb(list(path), use_bin_type=True), digest_size=8).digest()
+
+
+def signatures(m: Manifest, wanted: Optional[set] = None) -> Dict[KeyPath, Any]:
+    """path -> what must be equal across ranks for a non-sharded value to load on another world size (its
+    kind, dtype, shape and chunk ids; a container's kind and length; a plain value's repr)."""
+    out: Dict[KeyPath, Any] = {}
+    rep = set(m.replicated)           # equal on every rank by declaration; held by rank 0 only
+    for n in m.nodes:
+        if (not n.path or n.kind == "dtensor" or (wanted is not None and n.path[0] not in wanted)
+                or n.path[0] in rep):
+            continue
+        if n.kind in ARRAY_KINDS:
+            e = n.payload
+            out[n.path] = (n.kind, e.dtype, tuple(e.shape), tuple(c.blob_id for c in e.chunks))
+        elif n.kind in CONTAINER_KINDS:
+            out[n.path] = (n.kind, n.payload if n.kind != "dict" else None)
+        else:
+            out[n.path] = (n.kind, repr(n.payload))
+    return out
+
+
+def top_most(paths: Sequence[KeyPath]) -> List[KeyPath]:
+    """The paths not under another one of ``paths``, shortest first."""
+    top: List[KeyPath] = []
+    for p in sorted(paths, key=lambda p: (len(p), [str(x) for x in p])):
+        if not any(p[:len(q)] == q for q in top):
+            top.append(p)
+    return top
+
+
+def _plain_signatures(m: Manifest) -> Tuple[List[KeyPath], bytes]:
+    """The paths of ``m``'s plain values in manifest order, and 8 bytes per value hashing what
+    :func:`signatures` compares (so both ways of finding rank-local values agree)."""
+    paths, out = [], []
+    rep = set(m.replicated)
+    for n in m.nodes:
+        if not n.path or n.kind == "dtensor" or n.path[0] in rep:
+            continue
+        h = hashlib.blake2b(digest_size=8)
+        if n.kind in ARRAY_KINDS:
+            e = n.payload
+            h.update(f"{n.kind}|{e.dtype}|{tuple(e.shape)}|".encode())
+            for c in e.chunks:
+                h.update(c.blob_id.encode())
+        elif n.kind in CONTAINER_KINDS:
+            h.update(repr((n.kind, n.payload if n.kind != "dict" else None)).encode())
+        else:
+            h.update(repr((n.kind, repr(n.payload))).encode())
+        paths.append(n.path)
+        out.append(h.digest())
+    return paths, b"".join(out)
+
+
+def _order(paths: List[KeyPath]) -> bytes:
+    return hashlib.blake2b(msgpack.packb([list(p) for p in paths], use_bin_type=True), digest_size=8).digest()
+
+
+# -- what each rank sends at a save ---------------------------------------------------------------------------
+_S_RE = re.compile(r"S\((\d+)\)")
+
+
+def parse_placements(placements: Sequence[str]) -> Optional[List[Tuple[str, int]]]:
+    """``("S(0)", "R")`` -> ``[("S", 0), ("R", -1)]``; ``None`` when some placement is neither (not walked)."""
+    out = []
+    for p in placements:
+        if p == "R":
+            out.append(("R", -1))
+        else:
+            m = _S_RE.fullmatch(p)
+            if m is None:
+                return None
+            out.append(("S", int(m.group(1))))
+    return out
+
+
+def _chunk(size: int, n: int, c: int) -> Tuple[int, int]:
+    """(size, offset) of chunk ``c`` of ``n`` of ``size`` elements, as torch's ``Shard`` splits a dim
+    (``torch.chunk``: ceil(size / n) each, the last ones shorter or empty). Written out (torch's own
+    ``Shard.local_shard_size_and_offset`` costs ~80 us a call); a save whose boxes differ from it writes no
+    map (:func:`layout`), so a change of torch's rule cannot make a reader trust a wrong map."""
+    per = -(-size // n)
+    off = min(c * per, size)
+    return max(0, min(size, off + per) - off), off
+
+
+def rule_box(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
+             parsed: List[Tuple[str, int]]) -> Box:
+    """The box ``(offset, shape)`` the coordinate ``coord`` holds by rule (mesh dims applied left to right)."""
+    off, size = [0] * len(global_shape), list(global_shape)
+    for (kind, d), n, c in zip(parsed, mesh_shape, coord):
+        if kind == "S":
+            sz, o = _chunk(size[d], n, c)
+            off[d] += o
+            size[d] = sz
+    return tuple(off), tuple(size)
+
+
+def _same_box(a: Box, b: Box) -> bool:
+    if 0 in a[1] or 0 in b[1]:               # empty shards: torch puts their offset at the dim's end
+        return 0 in a[1] and 0 in b[1]
+    return tuple(a[0]) == tuple(b[0]) and tuple(a[1]) == tuple(b[1])
+
+
+def _meshes(m: Manifest) -> Tuple[List[Tuple[Tuple[int, ...], bytes]], Dict[Any, int]]:
+    """The distinct device meshes of ``m``'s DTensor nodes in order of first use, as ``(mesh shape, rank
+    grid)``, and :func:`_mesh_key` -> index. Meshes are told apart by content (shape and ranks), not by object:
+    two DeviceMesh objects of the same ranks are one mesh of the map."""
+    grids: List[Tuple[Tuple[int, ...], bytes]] = []
+    index: Dict[Any, int] = {}
+    for n in m.nodes:
+        if n.kind == "dtensor":
+            info = n.payload.shard
+            k = _mesh_key(info)
+            if info.grid is not None and k not in index:
+                index[k] = len(grids)
+                grids.append((tuple(info.mesh), info.grid))
+    return grids, index
+
+
+def _mesh_key(info) -> Any:
+    return (tuple(info.mesh), info.grid)
+
+
+def layout(m: Manifest, rank: int) -> Tuple[bytes, bool]:
+    """This rank's layout digest (8 bytes: the sharded keys' hashes, global shapes, dtypes, placements, mesh
+    shapes and rank grids, in manifest order) and whether each of its saved boxes is the one the rule gives for
+    its coordinate (``False`` too when a DTensor's mesh grid is unknown or a placement is not walked: no map)."""
+    h = hashlib.blake2b(digest_size=8)
+    grids, index = _meshes(m)
+    for shape, g in grids:
+        h.update(msgpack.packb(list(shape)))
+        h.update(hashlib.blake2b(g, digest_size=16).digest())
+    ok = True
+    coords: Dict[int, Optional[Tuple[int, ...]]] = {}
+    for n in m.nodes:
+        if n.kind != "dtensor":
+            continue
+        e = n.payload
+        info = e.shard
+        h.update(key_hash(n.path))
+        h.update(msgpack.packb([list(info.global_shape), e.dtype, list(info.mesh), list(info.placements),
+                                index.get(_mesh_key(info), -1)], use_bin_type=True))
+        if not ok:
+            continue
+        parsed = parse_placements(info.placements)
+        if info.grid is None or parsed is None:
+            ok = False
+            continue
+        mi = index[_mesh_key(info)]
+        if mi not in coords:
+            coords[mi] = _coordinate(info.grid, info.mesh, rank)
+        c = coords[mi]
+        ok = c is not None and _same_box(rule_box(info.global_shape, info.mesh, c, parsed),
+                                         (info.offset, e.shape))
+    return h.digest(), ok
+
+
+def _coordinate(grid: bytes, mesh_shape: Sequence[int], rank: int) -> Optional[Tuple[int, ...]]:
+    flat = np.flatnonzero(np.frombuffer(grid, dtype="<i4") == rank)
+    if len(flat) != 1:
+        return None
+    return tuple(int(x) for x in np.unravel_index(int(flat[0]), tuple(mesh_shape)))
+
+
+def replicated_digest(m: Manifest) -> bytes:
+    """8 bytes naming the keys ``m`` was saved with as replicated (every rank must pass the same)."""
+    return hashlib.blake2b(msgpack.packb(sorted(m.replicated), use_bin_type=True), digest_size=8).digest()
+
+
+def plain_groups(m: Manifest) -> Tuple[List[KeyPath], Optional[bytes], Optional[bytes]]:
+    """``(group paths, key hashes, digests)``: this rank's plain values in groups (see the module docstring),
+    8 + 8 bytes per group, at most :data:`MAX_GROUPS` unless there are more top-level keys; ``(paths, None,
+    None)`` beyond :data:`MAX_SENT_GROUPS` top-level keys (rank-local values then "unknown")."""
+    paths, sigs = _plain_signatures(m)
+    children: Dict[Any, set] = {}
+    tops: Dict[Any, None] = {}
+    for p in paths:
+        tops.setdefault(p[0])
+        if len(p) >= 2:
+            children.setdefault(p[0], set()).add(p[1])
+    if len(tops) > MAX_SENT_GROUPS:
+        return [], None, None
+    split, count = set(), len(tops)
+    for t in sorted(tops, key=str):
+        k = len(children.get(t, ()))
+        if 0 < k <= SPLIT_CHILDREN and count + k <= MAX_GROUPS:
+            split.add(t)
+            count += k
+    hashers: Dict[KeyPath, Any] = {}
+    for i, p in enumerate(paths):
+        g = p[:2] if p[0] in split and len(p) >= 2 else p[:1]
+        h = hashers.get(g)
+        if h is None:
+            h = hashers[g] = hashlib.blake2b(digest_size=8)
+            h.update(msgpack.packb(list(p[:1]), use_bin_type=True))
+        h.update(msgpack.packb(list(p[1:]), use_bin_type=True))
+        h.update(sigs[8 * i: 8 * i + 8])
+    groups = list(hashers)
+    return (groups, b"".join(key_hash(g) for g in groups), b"".join(hashers[g].digest() for g in groups))
+
+
+class RankLocalFold:
+    """Rank 0's fold of every rank's :func:`plain_groups` (memory: O(groups), whatever the number of ranks)."""
+
+    def __init__(self, groups: List[KeyPath], keys: Optional[bytes], digests: Optional[bytes]):
+        self.groups, self.keys = groups, keys
+        self.unknown = keys is None
+        self.base = np.frombuffer(digests or b"", dtype="<u8")
+        self.index = {keys[8 * i: 8 * i + 8]: i for i in range(len(groups))} if keys is not None else {}
+        self.differ = np.zeros(len(self.base), dtype=bool)
+        self._pending: List[bytes] = []         # digests of ranks with rank 0's groups, compared 512 at a time
+
+    def _flush(self) -> None:
+        if self._pending:
+            got = np.frombuffer(b"".join(self._pending), dtype="<u8").reshape(len(self._pending), -1)
+            self.differ |= (got != self.base).any(axis=0)
+            self._pending = []
+
+    def add(self, keys: Optional[bytes], digests: Optional[bytes]) -> None:
+        if self.unknown:
+            return
+        if not isinstance(keys, bytes) or not isinstance(digests, bytes) or len(keys) != len(digests) \
+                or len(keys) % 8:
+            self.unknown = True
+            return
+        if keys == self.keys:                                   # the common case: same groups, same order
+            self._pending.append(digests)
+            if len(self._pending) >= 512:
+                self._flush()
+            return
+        seen = np.zeros(len(self.base), dtype=bool)
+        got = np.frombuffer(digests, dtype="<u8")
+        for j in range(len(keys) // 8):
+            i = self.index.get(keys[8 * j: 8 * j + 8])
+            if i is None:                   # a group rank 0 does not hold: it cannot name it
+                self.unknown = True
+                return
+            seen[i] = True
+            self.differ[i] |= bool(got[j] != self.base[i])
+        self.differ |= ~seen
+
+    def rank_local(self) -> Optional[List[KeyPath]]:
+        """Top-most rank-local paths, ``None`` when unknown."""
+        if self.unknown:
+            return None
+        self._flush()
+        return top_most([self.groups[i] for i in np.flatnonzero(self.differ)])
+
+
+def build_rule(step: int, world_size: int, m: Manifest, rank_local: Optional[List[KeyPath]]) -> bytes:
+    """The map's bytes from this rank's manifest ``m`` (whose layout every rank shares: see :func:`layout`)
+    and the rank-local paths rank 0 found. The same inputs give the same bytes on any rank."""
+    grids, index = _meshes(m)
+    keys = []
+    for n in m.nodes:
+        if n.kind == "dtensor":
+            info = n.payload.shard
+            keys.append([key_hash(n.path), index[_mesh_key(info)], list(info.global_shape), list(info.mesh),
+                         list(info.placements)])
+    meshes = [[list(shape), g] for shape, g in grids]
+    return frame("shards", {"step": step, "world_size": world_size, "rule": 1, "meshes": meshes, "keys": keys,
+                            "rank_local": None if rank_local is None else [list(p) for p in rank_local]})
+
+
+class _Rule:
+    """The rule half of a map: per key (mesh index, global shape, parsed placements or None), per mesh (shape,
+    rank grid)."""
+
+    def __init__(self, meshes: List[Tuple[Tuple[int, ...], np.ndarray]],
+                 keys: Dict[bytes, Tuple[int, Tuple[int, ...], Optional[List[Tuple[str, int]]]]]):
+        self.meshes, self.keys = meshes, keys
+        self._members: Dict[int, set] = {}
+
+    def members(self, mi: int) -> set:
+        got = self._members.get(mi)
+        if got is None:
+            got = self._members[mi] = set(int(x) for x in self.meshes[mi][1])
+        return got
+
+    def mismatch(self, h: bytes, shard, box: Box, rank: int, coords: Dict[int, Any]) -> Optional[str]:
+        """Why the rule for key ``h`` does not give ``rank`` the saved ``shard`` (a manifest's
+        :class:`~ckptstore.state.sharding.ShardInfo`) at ``box``; ``None`` when it does (or the key's placements are
+        not walked). ``coords``: mesh index -> ``rank``'s coordinate, filled as meshes are met."""
+        mi, g, parsed = self.keys[h]
+        shape, grid = self.meshes[mi]
+        if tuple(g) != tuple(shard.global_shape) or tuple(shape) != tuple(shard.mesh):
+            return (f"global shape {list(g)} on a mesh of {list(shape)}, the manifest says {list(shard.global_shape)} "
+                    f"on {list(shard.mesh)}")
+        if parsed != parse_placements(shard.placements):
+            return f"placements differ from the manifest's {list(shard.placements)}"
+        if parsed is None:
+            return None
+        if mi not in coords:
+            pos = np.flatnonzero(grid == rank)
+            coords[mi] = tuple(int(x) for x in np.unravel_index(int(pos[0]), shape)) if len(pos) == 1 else None
+        if coords[mi] is None or not _same_box(rule_box(g, shape, coords[mi], parsed), box):
+            return f"the rule's box for the rank is not the manifest's (offset {list(box[0])}, shape {list(box[1])})"
+        return None
+
+    def ranks(self, h: bytes, global_shape: Tuple[int, ...], box: Box, prefer: int) -> Optional[List[int]]:
+        info = self.keys.get(h)
+        if info is None or info[2] is None or tuple(info[1]) != tuple(global_shape):
+            return None
+        mi, g, parsed = info
+        shape, grid = self.meshes[mi]
+        if 0 in box[1]:
+            return []
+        pos = np.flatnonzero(grid == prefer)
+        pref = np.unravel_index(int(pos[0]) if len(pos) else prefer % len(grid), shape)
+        leaves = [((), [0] * len(g), list(g))]
+        for i, (kind, d) in enumerate(parsed):
+            n, nxt = shape[i], []
+            for coord, off, size in leaves:
+                if kind == "R":
+                    nxt.append((coord + (int(pref[i]),), off, size))
+                    continue
+                lo, hi = box[0][d], box[0][d] + box[1][d]
+                if size[d] == 0:
+                    continue
+                per = -(-size[d] // n)                          # torch.chunk's chunk size
+                first = max(0, (lo - off[d]) // per - 1)
+                last = min(n - 1, (hi - 1 - off[d]) // per + 1)
+                for c in range(first, last + 1):
+                    sz, o = _chunk(size[d], n, c)
+                    a = off[d] + o
+                    if sz and a < hi and a + sz > lo:
+                        off2, size2 = list(off), list(size)
+                        off2[d], size2[d] = a, sz
+                        nxt.append((coord + (c,), off2, size2))
+            leaves = nxt
+        return sorted({int(grid[np.ravel_multi_index(c, shape)]) for c, _, _ in leaves})
+
+
+class ShardMap:
+    """A decoded, validated shard map. ``rank_local``: top-most rank-local paths (``None``: unknown)."""
+
+    def __init__(self, world_size: int, boxes: Optional[Dict[bytes, List[Tuple[int, Box]]]],
+                 rank_local: Optional[List[KeyPath]], rule: Optional[_Rule] = None):
+        self.world_size, self._boxes, self.rank_local, self._rule = world_size, boxes, rank_local, rule
+        self._indexes: Dict[bytes, ShardIndex] = {}
+
+    @staticmethod
+    def decode(data: bytes, *, step: int, world_size: int, what: str) -> "ShardMap":
+        """Raises ``CorruptCheckpointError`` (naming ``what``) for damaged or inconsistent bytes."""
+        body, _ = unframe(data, "shards", what=what, step=step)
+        try:
+            if body.get("step") != step or body.get("world_size") != world_size:
+                raise ValueError(f"map is for step {body.get('step')!r}, world size {body.get('world_size')!r}")
+            rl = body.get("rank_local")
+            if rl is not None:
+                if not isinstance(rl, list) or not all(
+                        isinstance(p, list) and p and all(isinstance(x, (str, int)) for x in p) for p in rl):
+                    raise ValueError("bad rank-local paths")
+                rl = [tuple(p) for p in rl]
+            if body.get("rule") == 1:
+                return ShardMap(world_size, None, rl, _decode_rule(body, world_size))
+            boxes: Dict[bytes, List[Tuple[int, Box]]] = {}
+            for h, shards in body["boxes"]:
+                if not isinstance(h, bytes) or len(h) != 8 or not isinstance(shards, list):
+                    raise ValueError("bad key hash")
+                if not shards:                  # the writer listed a key for the boxes ranks saved of it
+                    raise ValueError(f"key hash {h.hex()} has no boxes")
+                out = []
+                for r, off, shape in shards:
+                    if (not isinstance(r, int) or not 0 <= r < world_size or len(off) != len(shape)
+                            or not all(isinstance(x, int) and x >= 0 for x in list(off) + list(shape))):
+                        raise ValueError(f"bad box {[r, off, shape]!r:.80}")
+                    out.append((r, (tuple(off), tuple(shape))))
+                boxes[h] = out
+            return ShardMap(world_size, boxes, rl)
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError) as e:
+            # any schema a map does not have (a list where a map was, a field missing, a short record): invalid
+            kind = "" if isinstance(e, ValueError) else f"{type(e).__name__}: "
+            raise CorruptCheckpointError(f"invalid shard map: {kind}{e}", step=step, blob=what) from None
+
+    def check_manifest(self, m: Manifest, step: int) -> None:
+        """Raise ``CorruptCheckpointError`` unless the map describes ``m`` (one rank's manifest: the truth) as it
+        is: the sharded keys the map says ``m.rank`` saved shards of are exactly ``m``'s, and for each the map
+        gives ``m.rank`` the box ``m`` records (rule form: the same global shape, mesh shape and placements, and
+        the rule's box for the rank's coordinate; box form: a box of that rank). A reader checks the map against
+        the manifest it reads first and uses it only when this passes (FORMAT.md "Shard map": the map is a hint;
+        when it is damaged the reader reads every manifest). Cost: O(``m``'s sharded keys), no I/O."""
+        rank = m.rank
+        nodes = {key_hash(n.path): n for n in m.nodes if n.kind == "dtensor"}
+        if self._rule is not None:
+            want = {h for h, (mi, _, _) in self._rule.keys.items() if rank in self._rule.members(mi)}
+        else:
+            want = {h for h, shards in self._boxes.items() if any(r == rank for r, _ in shards)}
+        have = set(nodes)
+        if have != want:
+            raise CorruptCheckpointError(f"rank {rank}'s manifest holds {len(have)} sharded keys, the step's shard "
+                                         f"map says {len(want)} ({len(want - have)} missing, {len(have - want)} "
+                                         "unknown)", step=step)
+        coords: Dict[int, Any] = {}
+        for h, n in nodes.items():
+            e = n.payload
+            box = (tuple(e.shard.offset), tuple(e.shape))
+            if self._rule is not None:
+                why = self._rule.mismatch(h, e.shard, box, rank, coords)
+            else:
+                why = None if any(r == rank and _same_box(b, box) for r, b in self._boxes[h]) else \
+                    f"no box of rank {rank} is the manifest's (offset {list(box[0])}, shape {list(box[1])})"
+            if why is not None:
+                raise CorruptCheckpointError(f"the shard map does not describe rank {rank}'s shard of "
+                                             f"{path_str(n.path)!r}: {why}", step=step, key=path_str(n.path))
+
+    def ranks(self, path: KeyPath, global_shape: Tuple[int, ...], box: Box, prefer: int) -> Optional[List[int]]:
+        """The saved ranks whose shards of ``path`` overlap ``box`` (one rank per replicated box, ``prefer``
+        first); ``None`` when the map does not know the key (or cannot walk its placements)."""
+        h = key_hash(path)
+        if self._rule is not None:
+            return self._rule.ranks(h, tuple(global_shape), box, prefer)
+        index = self._indexes.get(h)
+        if index is None:
+            saved = self._boxes.get(h)
+            if saved is None:
+                return None
+            ordered = sorted(saved, key=lambda rb: rb[0] != prefer)       # stable: then by rank
+            index = self._indexes[h] = ShardIndex(tuple(global_shape), (SavedShard(b, None, r) for r, b in ordered))
+        return sorted({s.rank for s, _ in index.overlapping(box)})
+
+
+def _decode_rule(body: Dict[str, Any], world_size: int) -> _Rule:
+    meshes = []
+    for item in body["meshes"]:
+        shape, grid = item
+        if (not isinstance(shape, list) or not 1 <= len(shape) <= 16
+                or not all(isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= world_size for x in shape)):
+            raise ValueError(f"bad mesh shape {shape!r:.80}")
+        size = int(np.prod(shape))
+        if not isinstance(grid, bytes) or size > world_size or len(grid) != 4 * size:
+            raise ValueError(f"bad rank grid for mesh {shape}")
+        ranks = np.frombuffer(grid, dtype="<i4")
+        if ranks.min() < 0 or ranks.max() >= world_size or len(np.unique(ranks)) != size:
+            raise ValueError(f"rank grid of mesh {shape} names ranks outside 0..{world_size - 1} or twice")
+        meshes.append((tuple(shape), ranks))
+    keys: Dict[bytes, Tuple[int, Tuple[int, ...], Optional[List[Tuple[str, int]]]]] = {}
+    for item in body["keys"]:
+        h, mi, g, mesh, placements = item
+        if not isinstance(h, bytes) or len(h) != 8 or h in keys:
+            raise ValueError("bad key hash")
+        if not isinstance(mi, int) or not 0 <= mi < len(meshes) or list(mesh) != list(meshes[mi][0]):
+            raise ValueError(f"bad mesh index {mi!r:.20}")
+        if (not isinstance(g, list) or not 1 <= len(g) <= 64
+                or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 48 for x in g)):
+            raise ValueError(f"bad global shape {g!r:.80}")
+        if (not isinstance(placements, list) or len(placements) != len(mesh)
+                or not all(isinstance(p, str) and len(p) < 64 for p in placements)):
+            raise ValueError(f"bad placements {placements!r:.80}")
+        parsed = parse_placements(placements)
+        if parsed is not None and any(k == "S" and d >= len(g) for k, d in parsed):
+            raise ValueError(f"placements {placements} shard a dim the global shape {g} lacks")
+        keys[h] = (mi, tuple(g), parsed)
+    return _Rule(meshes, keys)

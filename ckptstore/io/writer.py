@@ -1,0 +1,185 @@
+"""The write path: array specs (byte views) -> chunks -> BLAKE3 ids -> blobs / packs not yet stored -> chunk
+references.
+
+Chunks run through a thread pool: hashing (BLAKE3) and compression (zstd) release the GIL and writes wait on
+the disk, so hashing one chunk overlaps with writing another. Large chunks become blobs of their own; small
+ones are hashed in batches and the new ones appended to packs (see :mod:`ckptstore.format.packs`). Within one save, a
+chunk is never written twice. Nothing here knows steps or manifests.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from ..format.blobs import BlobStore, digest_bytes
+from ..format.index import ChunkIndex
+from ..format.manifest import ChunkRef
+from ..format.packs import PackBuffers, Packing, plan_packs, write_pack
+from .snapshot import ArraySpec
+
+
+@dataclass
+class WriteStats:
+    bytes_total: int = 0        # logical bytes of all arrays
+    bytes_written: int = 0      # bytes of new blobs actually written (after dedup and compression)
+    blobs_total: int = 0        # chunks referenced
+    blobs_new: int = 0          # chunks written by this save (as blobs or into packs)
+    objects_new: int = 0        # files created: blobs + packs
+    bytes_unchanged: int = 0    # bytes of tensors proven unchanged (not copied, not hashed)
+    hash_seconds: float = 0.0   # summed over workers
+    write_seconds: float = 0.0  # summed over workers
+
+
+@dataclass
+class _Claims:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    claimed: Dict[str, threading.Event] = field(default_factory=dict)
+
+
+def chunk_ranges(nbytes: int, chunk_size: int):
+    """``[(offset, length), ...]`` covering ``nbytes`` in pieces of at most ``chunk_size`` (none for 0)."""
+    return [(off, min(chunk_size, nbytes - off)) for off in range(0, nbytes, chunk_size)]
+
+
+_HASH_BATCH_BYTES = 4 << 20           # small chunks are hashed in batches: one task per ~4 MiB, not per chunk
+
+
+def write_arrays(blobs: BlobStore, specs: List[ArraySpec], *, chunk_size: int, codec: str, level: int,
+                 executor: Executor, packing: Optional[Packing] = None, index: Optional[ChunkIndex] = None,
+                 buffers: Optional[PackBuffers] = None) -> (List[List[ChunkRef]], WriteStats):
+    """Store the bytes of every spec. Returns one chunk-reference list per spec, and statistics.
+
+    Chunks of ``packing.threshold`` bytes or more become blobs (hashed and written by ``executor``, one task
+    each). Smaller chunks are hashed in batches; those neither in ``index`` nor earlier in this save are
+    appended, in order, to new packs of about ``packing.target_size`` (written in parallel). Then one
+    ``sync`` makes every new blob and pack durable. A spec with ``known`` refs (unchanged since the last save)
+    is neither hashed nor written; a spec with a ``ready`` CUDA event is read only after the event completes.
+
+    Raises whatever a worker raised (``OSError`` from the disk, ...) once all workers are done; what was
+    written stays unreferenced until garbage collection removes it.
+    """
+    packing = packing or Packing(threshold=0)
+    buffers = buffers or PackBuffers()
+    stats = WriteStats()
+    claims = _Claims()
+    stats_lock = threading.Lock()
+
+    def account(wrote: int, hash_s: float = 0.0, write_s: float = 0.0, chunks: int = 0) -> None:
+        with stats_lock:
+            stats.hash_seconds += hash_s
+            stats.write_seconds += write_s
+            if wrote:
+                stats.blobs_new += chunks
+                stats.objects_new += 1
+                stats.bytes_written += wrote
+
+    def work(view: memoryview) -> ChunkRef:
+        t0 = time.perf_counter()
+        blob_id = digest_bytes(view)
+        t1 = time.perf_counter()
+        with claims.lock:
+            ev = claims.claimed.get(blob_id)
+            first = ev is None
+            if first:
+                ev = claims.claimed[blob_id] = threading.Event()
+        if not first:
+            ev.wait()                       # the same bytes are being written by another worker
+            used, wrote = blobs.locate(blob_id) or codec, 0
+        else:
+            try:
+                used, wrote = blobs.put(blob_id, view, codec, level)
+            finally:
+                ev.set()
+        account(wrote, t1 - t0, time.perf_counter() - t1, 1)
+        return ChunkRef(blob_id, len(view), used)
+
+    def hash_batch(views: List[memoryview]) -> List[str]:
+        t0 = time.perf_counter()
+        ids = [digest_bytes(v) for v in views]
+        account(0, time.perf_counter() - t0)
+        return ids
+
+    # 1. blobs start at once; small chunks are collected: (spec index, chunk index, view)
+    results: List[list] = []
+    small: List[tuple] = []
+    for si, spec in enumerate(specs):
+        stats.bytes_total += spec.nbytes
+        stats.blobs_total += len(spec.known) if spec.known is not None else 0
+        if spec.known is not None:
+            stats.bytes_unchanged += spec.nbytes
+            results.append(list(spec.known))
+            continue
+        if spec.ready is not None:
+            spec.ready.synchronize()
+        view = spec.view
+        per_spec = []
+        for ci, (off, n) in enumerate(chunk_ranges(len(view), chunk_size)):
+            stats.blobs_total += 1
+            if packing.packs(n):
+                per_spec.append(None)
+                small.append((si, ci, view[off: off + n]))
+            else:
+                per_spec.append(executor.submit(work, view[off: off + n]))
+        results.append(per_spec)
+    error = None
+    try:
+        if small:
+            _pack_small(small, results, blobs, index, packing, buffers, codec, level, executor, hash_batch,
+                        account)
+    except BaseException as e:              # blobs still in flight must finish before the views go away
+        error = e
+    out = []
+    for per_spec in results:
+        refs = []
+        for f in per_spec:
+            if f is None or isinstance(f, ChunkRef):
+                refs.append(f)
+                continue
+            try:
+                refs.append(f.result())
+            except BaseException as e:      # keep draining so no worker is left touching the views
+                error = error or e
+        out.append(refs)
+    if error is not None:
+        raise error
+    blobs.sync()
+    return out, stats
+
+
+def _pack_small(small, results, blobs, index, packing, buffers, codec, level, executor, hash_batch, account):
+    """Hash the small chunks (batched), reuse those the store has, pack the rest; fill ``results`` in place."""
+    views = [v for _, _, v in small]
+    batches, cur, cur_bytes = [], [], 0
+    for v in views:
+        cur.append(v)
+        cur_bytes += len(v)
+        if cur_bytes >= _HASH_BATCH_BYTES:
+            batches.append(cur)
+            cur, cur_bytes = [], 0
+    if cur:
+        batches.append(cur)
+    ids = [i for f in [executor.submit(hash_batch, b) for b in batches] for i in f.result()]
+    new: Dict[str, memoryview] = {}                  # chunk id -> bytes, first occurrence, in order
+    for (si, ci, v), cid in zip(small, ids):
+        have = index.get(cid) if index is not None else None
+        if have is None and cid not in new:
+            new[cid] = v
+    placed: Dict[str, ChunkRef] = {}
+    if new:
+        items = list(new.items())
+        groups = plan_packs([len(v) for _, v in items], packing.target_size)
+
+        def one_pack(group):
+            t0 = time.perf_counter()
+            refs, wrote = write_pack(blobs.storage, [items[i] for i in group], codec=codec, level=level,
+                                     buffers=buffers)
+            account(wrote, 0.0, time.perf_counter() - t0, len(group))
+            return refs
+        for f in [executor.submit(one_pack, g) for g in groups]:
+            for r in f.result():
+                placed[r.blob_id] = r
+    for (si, ci, v), cid in zip(small, ids):
+        results[si][ci] = placed.get(cid) or index.get(cid)

@@ -1,0 +1,469 @@
+"""The memory tier in front of the disk and the remote: saves at their own cadence, peer replication before a
+memory commit, promotion to disk in commit order, capacity, and resume across every tier.
+
+Data still flows one way: state -> memory root (chunks, packs, manifest) -> peers' memory roots (replicas) ->
+memory commit marker -> (every ``disk_every``-th step) disk root, copied as stored -> disk commit marker ->
+(every ``Remote.every``-th disk step) the remote, by the uploader. A :class:`MemoryTier` owns the memory root's
+:class:`~ckptstore.orchestration.parts.Parts`, its :class:`~ckptstore.orchestration.saving.Saver` (with replication as its
+``before_commit`` step) and :class:`~ckptstore.orchestration.loading.Loader`; the disk store's saver promotes, the disk
+store's loader is the fallback of :meth:`MemoryTier.resume`.
+
+Resume order (FORMAT.md "The memory tier"): the newest memory step that the nodes' memory roots hold whole
+between them (every saved rank's part in some root, under one commit marker) and that is not older than any
+rank's newest disk step; the parts a root lacks are rebuilt from the roots that hold them (every object
+verified by its id), then every rank loads it from its own memory root. Any failure (a corrupt or missing
+replica, a dead peer, a damaged chunk found while loading) is agreed by every rank and resume goes on, once,
+to the disk and remote tiers and ``load_path``: never a restart loop, never a fresh start while an older valid
+step exists. The remote is not read at all when memory holds the step.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+
+from ..format.blobs import digest_bytes
+from ..distributed.commit import root_identity
+from ..util.errors import CheckpointError, IncompatibleCheckpointError
+from ..format.layout import manifest_path
+from ..lifecycle.lease import read_epoch
+from ..orchestration.loading import Loader
+from .memory import Memory, NodeLock, next_to_drop, over_keep, root_usage, sweep
+from ..orchestration.options import Writing
+from ..orchestration.parts import Parts, local_path
+from ..format.pointers import point_away_from
+from .replication import Link, ReplicationStats, Ring, rebuild, replicate, write_marker
+from ..distributed.resume import agree_outcome
+from ..orchestration.saving import Saver
+from ..storage import open_storage
+
+log = logging.getLogger("ckptstore")
+
+# memory steps each rank reports when the ranks choose where to resume from
+INVENTORY = 8
+
+
+class MemoryTier:
+    """The memory tier of one :class:`~ckptstore.store.Store` (see the module docstring). ``disk``: the store's
+    parts, ``disk_saver`` promotes, ``disk_loader`` is the fallback of ``resume`` and ``resolve``."""
+
+    def __init__(self, memory: Memory, *, disk: Parts, disk_saver: Saver, disk_loader: Loader, writing: Writing,
+                 config, config_may_change: Iterable[str], on_rewind: str):
+        self.m = memory
+        self.disk, self.disk_saver, self.disk_loader = disk, disk_saver, disk_loader
+        rank, world = disk.rank, disk.world_size
+        storage = open_storage(local_path(memory.root), None, direct_io=False)
+        self.p = Parts(storage, rank=rank, world_size=world, writing=writing, remote=None, storage_options=None,
+                       keep=None, config=config, collective_timeout=disk.collective_timeout, read_only=False)
+        self.ring = Ring(rank, world, memory.ranks_per_node(world), memory.replicas)
+        self.link: Optional[Link] = None
+        if self.ring.replicas > 0:
+            import torch.distributed as dist
+            if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() == world):
+                raise ValueError(f"Memory(replicas={memory.replicas}) across {self.ring.nodes} nodes needs an "
+                                 "initialised torch.distributed process group of this world size")
+            self.link = Link(memory.timeout)                 # collective: every rank, at Store construction
+        self.lock = NodeLock(storage.local_path(""))
+        self.saver = Saver(self.p, on_rewind=on_rewind, retain=self._retain,
+                           before_commit=self._replicate if self.link is not None else None,
+                           write_lock=self._write_phase)
+        self._epoch = read_epoch(storage)
+        self.loader = Loader(self.p, config_may_change=config_may_change, pull=self._no_pull)
+        self.where = root_identity(storage.local_path("")).hex()
+        self.p.adopt_run_id(disk.run_id)             # one run id for both tiers' commit markers
+        self.replicated = ReplicationStats()         # what this rank's replication moved, in all
+        self._lock = threading.Lock()
+        self._promoting: Dict[int, Optional[Future]] = {}   # memory steps waiting for promotion (protected)
+        self._promote_error: Optional[BaseException] = None
+        self._capacity_warned = False
+
+    # -- saving ---------------------------------------------------------------------------------------------
+    def save(self, state: Mapping[str, Any], step: int, *, metrics, blocking: bool, names, replicated):
+        """``Store.save`` with a memory tier: ``None`` when ``step`` is due for no tier; else the memory save's
+        :class:`~ckptstore.orchestration.saving.SaveResult` / :class:`~ckptstore.orchestration.saving.SaveHandle`. A disk step is queued
+        for promotion once its memory commit succeeded. Raises a failed promotion's error once."""
+        self.raise_if_failed()
+        if not self.m.due(step):
+            return None
+        promote = self.m.promoted(step)
+        if promote:
+            with self._lock:
+                self._promoting[step] = None         # protected from memory retention from now on
+        try:
+            out = self.saver.save(state, step, metrics=metrics, blocking=blocking, names=names,
+                                  replicated=replicated)
+        except BaseException:
+            self._unprotect(step)
+            raise
+        if promote:
+            fields = (dict(metrics or {}), tuple(names))
+            if blocking:
+                self._queue_promotion(step, *fields)
+            else:
+                out._future.add_done_callback(lambda f, s=step: self._queue_promotion(s, *fields)
+                                              if f.exception() is None else self._unprotect(s))
+        return out
+
+    @contextlib.contextmanager
+    def _write_phase(self):
+        """A memory save's write phase (see :class:`~ckptstore.memtier.memory.NodeLock`): the node lock shared, and what
+        this rank believed present dropped when a sweep ran since it last looked."""
+        with self.lock.shared():
+            epoch = read_epoch(self.p.storage)
+            if epoch != self._epoch:
+                self.p.blobs.forget_all()
+                self._epoch = epoch
+            # Small chunks are never taken from an earlier save's pack: each memory save packs its own, so every
+            # pack a part names is whole in it, and a peer rebuilding the part receives its chunks and nothing
+            # else (an old pack reused for one unchanged chunk would cross whole, stale chunks and all)
+            self.p.index.clear()
+            yield
+
+    def _replicate(self, step: int, gen: int, manifest) -> None:
+        stats = replicate(self.link, self.ring, self.p.storage, step, gen, manifest)
+        self.replicated.add(stats)
+
+    def _queue_promotion(self, step: int, metrics: Dict[str, Any], names: Tuple[str, ...]) -> None:
+        """Runs where the memory save of ``step`` ended (its thread): the promotion goes to the disk store's
+        single background thread, so promotions run in commit order."""
+        last = self.saver.last_committed
+        if last is None or last[0] != step:
+            self._unprotect(step)
+            return
+        _, _, manifest = last
+        fut = self.disk.bg.submit(self._promote, step, manifest, metrics, names)
+        with self._lock:
+            if step in self._promoting:
+                self._promoting[step] = fut
+
+    def _promote(self, step: int, manifest, metrics, names) -> bool:
+        try:
+            return self.disk_saver.promote(step, self.p.storage, manifest, metrics=metrics, names=names)
+        except BaseException as e:
+            with self._lock:
+                if self._promote_error is None:
+                    self._promote_error = e
+            log.error("promoting memory step %d to %s failed: %s: %s", step, self.disk.root, type(e).__name__, e)
+            raise
+        finally:
+            self._unprotect(step)
+
+    def _unprotect(self, step: int) -> None:
+        with self._lock:
+            self._promoting.pop(step, None)
+
+    def raise_if_failed(self) -> None:
+        """Raise a failed promotion's error, once."""
+        with self._lock:
+            e, self._promote_error = self._promote_error, None
+        if e is not None:
+            raise e
+
+    def wait(self, timeout: Optional[float] = None):
+        """The memory save in flight's result (see ``Store.wait``)."""
+        return self.saver.wait(timeout)
+
+    def wait_for_promotions(self, timeout: Optional[float] = None) -> None:
+        """Block until every queued promotion ran; raise a failed one's error once."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.saver.wait(timeout)
+        while True:
+            with self._lock:
+                entries = list(self._promoting.values())
+            if not entries:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"promotions to {self.disk.root} still running after {timeout} s")
+            futs = [f for f in entries if f is not None]
+            if len(futs) < len(entries):
+                # a memory save has finished and its promotion is being queued on the save's thread (its
+                # future's callbacks run after waiters are woken): look again in a moment
+                time.sleep(0.005)
+            for f in futs:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    f.result(left)
+                except Exception:
+                    pass
+        self.raise_if_failed()
+
+    # -- memory retention: keep and capacity ----------------------------------------------------------------
+    def _retain(self, step: int, since: float, exclude: Optional[str]) -> bool:
+        """After a memory commit this rank wrote (rank 0, the leader of each other node's root): drop the steps
+        beyond ``keep``, then the oldest steps while the root holds more than ``capacity`` bytes; never the
+        newest committed step, nor one waiting for promotion. Each drop is swept at once (content addressing:
+        chunks a kept step references stay)."""
+        p = self.p
+        with self._lock:
+            protected = set(self._promoting) | {step}
+        committed = p.catalog.committed_steps()
+        doomed = over_keep(committed, self.m.keep, protected)
+        swept = False
+        if doomed:
+            for s in doomed:
+                self._drop(s)
+            swept = self._sweep(step, exclude)
+        if self.m.capacity is None:
+            return swept
+        root = p.storage.local_path("")
+        while root_usage(root) > self.m.capacity:
+            s = next_to_drop(p.catalog.committed_steps(), protected)
+            if s is None:
+                if not self._capacity_warned:
+                    self._capacity_warned = True
+                    log.warning("memory tier %s holds %d bytes, over its capacity of %d, with nothing left to drop "
+                                "(the newest step and steps waiting for promotion stay)", p.root, root_usage(root),
+                                self.m.capacity)
+                break
+            self._drop(s)
+            if not self._sweep(step, exclude):
+                break                                # deferred: another rank is saving; the next commit retries
+            swept = True
+        return swept
+
+    def _drop(self, s: int) -> None:
+        p = self.p
+        point_away_from(p.storage, p.catalog, s)
+        p.catalog.delete_step(s)
+        log.debug("memory tier %s: dropped step %d", p.root, s)
+
+    def _sweep(self, step: int, exclude: Optional[str]) -> bool:
+        p = self.p
+        try:
+            sweep(p.storage, p.catalog, self.lock)
+        except Exception as e:
+            log.error("memory tier %s: sweep after step %d failed: %s: %s", p.root, step, type(e).__name__, e)
+            return False
+        p.blobs.forget_all()                           # what this rank believed present may be gone
+        return True
+
+    # -- resume ---------------------------------------------------------------------------------------------
+    def _no_pull(self, *a, **k):                       # pragma: no cover - the memory loader has no remote
+        raise CheckpointError("the memory tier has no remote to pull from")
+
+    def _inventory(self) -> Dict[str, Any]:
+        """This rank's memory root as the ranks' choice needs it: per committed step (newest ``INVENTORY``),
+        the commit marker's digest, its world size and the saved ranks whose manifest this root holds; plus
+        this rank's newest disk step."""
+        p = self.p
+        steps: Dict[str, Any] = {}
+        for s in reversed(p.catalog.committed_steps()[-INVENTORY:]):
+            try:
+                data, commit = p.catalog.read_commit_bytes(s)
+            except CheckpointError as e:
+                log.warning("memory step %d is not usable here: %s", s, e)
+                continue
+            held = [r for r, (_, size, g) in commit.manifests.items()
+                    if p.storage.size(manifest_path(s, r, g)) == size]
+            rep = False                 # rank 0's manifest holds keys every rank reads (save(replicated=))
+            if 0 in held:
+                try:
+                    rep = bool(p.catalog.read_manifest(commit, 0).replicated)
+                except CheckpointError:
+                    held.remove(0)
+            steps[str(s)] = {"marker": digest_bytes(data), "world": commit.world_size, "held": held,
+                             "rep": rep}
+        disk = self.disk.catalog.committed_steps()
+        return {"where": self.where, "steps": steps, "disk": disk[-1] if disk else None}
+
+    def _choose_local(self, reports: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+        """Rank 0: the memory step to resume from and the rebuild plan, or ``None`` (see the module
+        docstring)."""
+        world = self.p.world_size
+        roots: Dict[str, List[int]] = {}
+        for r, rep in enumerate(reports):
+            roots.setdefault(rep["where"], []).append(r)
+        disk_newest = max([rep["disk"] for rep in reports if rep.get("disk") is not None], default=None)
+        steps = sorted({int(s) for rep in reports for s in rep["steps"]}, reverse=True)
+        for s in steps:
+            if disk_newest is not None and s < disk_newest:
+                log.info("memory steps are older than disk step %d: resuming from disk or remote", disk_newest)
+                return None
+            markers: Dict[str, Dict[str, set]] = {}
+            worlds: Dict[str, int] = {}
+            replicated: Dict[str, bool] = {}
+            for where, ranks in roots.items():
+                rep = reports[ranks[0]]["steps"].get(str(s))
+                if rep is None:
+                    continue
+                markers.setdefault(rep["marker"], {})[where] = set(rep["held"])
+                worlds[rep["marker"]] = rep["world"]
+                replicated[rep["marker"]] = replicated.get(rep["marker"], False) or bool(rep.get("rep"))
+            if not markers:
+                continue
+            marker = max(markers, key=lambda m: (len(markers[m]), m))
+            held = markers[marker]
+            saved_world = worlds[marker]
+            if not all(any(r in h for h in held.values()) for r in range(saved_world)):
+                log.warning("memory step %d: no node holds every saved rank's part (%s): not usable", s,
+                            {w[:8]: sorted(h) for w, h in held.items()})
+                continue
+            holders = sorted(held, key=lambda w: roots[w][0])
+            plan: List[List[int]] = []
+            for where, ranks in sorted(roots.items(), key=lambda kv: kv[1][0]):
+                have = held.get(where, set())
+                # a rank reads its own part (and rank 0's replicated keys); another world size reshards
+                # from any part (ckptstore.distributed.resume.parts_needed)
+                need = set(range(saved_world)) if saved_world != world else (
+                    set(ranks) | ({0} if replicated[marker] else set()))
+                missing = sorted(need - have)
+                for i, part in enumerate(missing):
+                    # the root's leader receives every part, one after the other, so a chunk two parts share
+                    # (data-parallel replicas) crosses once: it is there when the next part asks; the holding
+                    # roots and their ranks send in turn, and roots that lost their parts rebuild at once
+                    # (items of disjoint pairs run concurrently, see ckptstore.memtier.replication.rebuild)
+                    srcs = [w for w in holders if part in held[w]]
+                    src = roots[srcs[i % len(srcs)]]
+                    plan.append([src[part % len(src)], ranks[0], part])
+                if where not in held and not any(item[1] == ranks[0] for item in plan):
+                    plan.append([roots[holders[0]][0], ranks[0], -1])     # the leader needs the marker
+            return {"step": s, "marker": marker, "plan": plan,
+                    "leaders": [ranks[0] for ranks in roots.values()]}
+        return None
+
+    def choose(self) -> Optional[Dict[str, Any]]:
+        """Collective: every rank's inventory to rank 0, its choice to every rank."""
+        rep = self._inventory()
+        coord = self.p.coord
+        if coord is None:
+            return self._choose_local([rep])
+        tag = coord.next_tag("memory-resume")
+        reports = coord.gather(f"{tag}/inventory", rep, self.p.collective_timeout)
+        choice = None
+        if coord.rank == 0:
+            choice = {"found": self._choose_local(reports), "leaders": sorted(_leaders(reports))}
+        return coord.broadcast(f"{tag}/choice", choice, self.p.collective_timeout)
+
+    def resume(self, state, *, strict: bool, rank_local: str,
+               fallback: Callable[..., Optional[int]]) -> Optional[int]:
+        """``Store.resume`` with a memory tier (see the module docstring): the newest memory step held whole by
+        the nodes, rebuilt where a node lost it; else ``fallback`` (the disk store's resume, which sets aside the
+        disk roots' committed steps newer than the step it resumed, see
+        :meth:`~ckptstore.orchestration.loading.Loader.set_aside_newer`). Either way memory steps newer than the step resumed
+        are dropped (a new timeline starts there: none of them is whole on the nodes)."""
+        self.saver.wait()
+        self.wait_for_promotions()           # they use the disk store's collectives: none may run beside resume
+        choice = self.choose()
+        found = choice.get("found") if self.p.coord is not None else choice
+        leaders = choice.get("leaders", [0]) if self.p.coord is not None else [0]
+        if found is not None:
+            got = self._resume_memory(state, found, leaders, strict=strict, rank_local=rank_local)
+            if got is not None:
+                # no disk root holds a newer step (the choice refuses memory steps older than any rank's disk)
+                self._drop_newer(got, leaders)
+                return got
+        step = fallback(state, strict=strict, rank_local=rank_local)
+        if step is None and self.loader._touched and self.disk_loader.resumed_from is None:
+            raise CheckpointError(f"memory step {found['step'] if found else '?'} partly overwrote sharded (DTensor) "
+                                  "values before it was found damaged, and no other step loads into them: "
+                                  "refusing a fresh start with them")
+        self._drop_newer(step, leaders)
+        return step
+
+    def _drop_newer(self, step: Optional[int], leaders: List[int]) -> None:
+        """The leaders drop their memory root's step directories newer than ``step`` (``None``: all), logged;
+        then every rank agrees, so no rank saves before they are gone. Memory steps are dropped, not set aside:
+        a memory root is bounded RAM, and a step that did not load on every rank is no checkpoint of the job.
+        Raises a leader's failure on every rank."""
+        error: Optional[BaseException] = None
+        if self.p.rank in leaders:
+            try:
+                newer = [s for s in self.p.catalog.step_dirs() if step is None or s > step]
+                committed = [s for s in newer if self.p.catalog.is_committed(s)]
+                for s in newer:
+                    self._drop(s)
+                if newer:             # an uncommitted one is a save the kill interrupted: routine
+                    log.log(logging.WARNING if committed else logging.INFO, "memory tier %s: dropped steps %s "
+                            "(committed: %s), newer than the step resumed from (%s)", self.p.root, newer,
+                            committed, step)
+            except Exception as e:
+                error = e
+        if self.p.coord is not None:            # no rank saves before every leader has dropped them
+            error, _ = agree_outcome(self.p.coord, self.p.coord.next_tag("memory-drop"), step or 0, error,
+                                     error is not None, self.p.collective_timeout)
+        if error is not None:
+            raise error
+
+    def _agree(self, step: int, error: Optional[BaseException]) -> Optional[BaseException]:
+        """Every rank's outcome -> the same verdict on every rank (``None``: all succeeded)."""
+        if self.p.coord is None:
+            return error
+        error, _ = agree_outcome(self.p.coord, self.p.coord.next_tag("memory-rebuild"), step, error, False,
+                                 self.p.collective_timeout)
+        return error
+
+    def _resume_memory(self, state, found: Dict[str, Any], leaders: List[int], *, strict: bool,
+                       rank_local: str) -> Optional[int]:
+        step, plan = int(found["step"]), [tuple(int(v) for v in item) for item in found["plan"]]
+        t0 = time.perf_counter()
+        stats = ReplicationStats()
+        error: Optional[BaseException] = None
+        marker = None
+        if plan:
+            try:
+                if self.link is None:
+                    raise CheckpointError(f"memory step {step}: parts are missing and no peers are set up "
+                                          "(Memory.replicas=0)")
+                stats, marker = rebuild(self.link, self.p.storage, self.p.catalog, step, found["marker"], plan,
+                                        self.p.rank)
+            except Exception as e:
+                error = e
+            error = self._agree(step, error)
+            if error is None and marker is not None and self.p.rank in leaders:
+                try:
+                    write_marker(self.p.storage, step, marker)      # every part of this root is here now
+                except Exception as e:
+                    error = e
+            error = self._agree(step, error)
+        if error is not None:
+            log.warning("memory step %d could not be rebuilt from peers (%s): trying disk and remote", step, error)
+            return None
+        try:
+            got = self.loader.restore(state, step, keys=None, strict=strict, rank_local=rank_local)
+        except IncompatibleCheckpointError:
+            raise
+        except (CheckpointError, FileNotFoundError) as e:
+            log.warning("memory step %d does not load (%s): trying disk and remote", step, e)
+            return None
+        self.disk_loader.resumed_from = dict(self.loader.resumed_from or {}, tier="memory", url=self.p.root,
+                                             peer_bytes=stats.bytes_received, peer_objects=stats.objects_received,
+                                             peer_bytes_sent=stats.bytes_sent,
+                                             rebuild_seconds=time.perf_counter() - t0)
+        self.disk.adopt_run_id(self.p.run_id)
+        self.disk_loader._start_uploads()
+        log.info("resumed memory step %d (%d bytes rebuilt from peers)", got, stats.bytes_received)
+        return got
+
+    def resolve(self, fallback: Callable[[], Any]):
+        """``Store.resolve`` with a memory tier: ``(step, "memory")`` when resume would take a memory step
+        (whole between the nodes; its chunks are verified by the load), else ``fallback()``."""
+        choice = self.choose()
+        found = choice.get("found") if self.p.coord is not None else choice
+        if found is not None:
+            return int(found["step"]), "memory"
+        return fallback()
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for the memory save in flight and the promotions (raising the first error nobody saw), then
+        release the memory store's parts and the replication group."""
+        try:
+            try:
+                self.saver.wait()
+            finally:
+                self.wait_for_promotions()
+        finally:
+            self.saver.close()
+            self.p.close()
+            if self.link is not None:
+                self.link.close()
+
+
+def _leaders(reports: List[Dict[str, Any]]):
+    seen = {}
+    for r, rep in enumerate(reports):
+        seen.setdefault(rep["where"], r)
+    return seen.values()

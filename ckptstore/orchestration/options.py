@@ -1,0 +1,112 @@
+"""The options of a :class:`~ckptstore.store.Store`, as a few small objects of things that belong together.
+
+* :class:`Writing`: how a save turns tensors into chunks, blobs and packs on the local disk (sizes, codec,
+  threads, O_DIRECT, change detection, :class:`~ckptstore.format.packs.Packing`).
+* :class:`Remote`: the object store a run uploads to (and resumes from), with its upload knobs.
+* :class:`~ckptstore.lifecycle.retention.Retention` (``Store(keep=...)``): which steps to keep.
+
+Each is frozen and checks its values when made, so a bad option fails where it is written, not at the first
+save.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..format.blobs import CODECS
+from ..format.packs import Packing
+from ..util.retry import RetryPolicy
+
+DEFAULT_CHUNK_SIZE = 64 << 20
+
+
+def _count(owner: str, name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{owner}.{name} must be an int >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Writing:
+    """How ``save`` writes (``Store(writing=Writing(...))``). Sizes in bytes.
+
+    ``chunk_size``: maximum bytes per chunk (default 64 MiB, at least 4096). ``codec``: ``"raw"`` (default) or
+    ``"zstd"`` for new blobs, at ``zstd_level``; zstd is kept only where it saves >= 3%; measured here it gains
+    ~8% on fp32 at 0.4-0.5 GB/s per core, slower than the disk, so it is off by default (benchmarks/README.md).
+    ``workers``: threads hashing / writing / reading chunks (default 4). ``direct_io``: use O_DIRECT for large
+    aligned writes where the filesystem supports it. ``packing``: a :class:`~ckptstore.format.packs.Packing` (chunks
+    under ``threshold`` bytes, default 4 MiB, go into pack files of about ``target_size`` bytes;
+    ``Packing(threshold=0)`` writes every chunk as a blob of its own; see FORMAT.md).
+
+    ``track_versions``: opt-in (default ``False``: every tensor is hashed at every save, and content addressing
+    alone skips writing unchanged bytes). ``True`` skips copying and hashing a tensor whose storage, autograd
+    version counter and optimizer-step count are unchanged since the last save (frozen layers in fine-tuning).
+    It cannot see writes through ``.data``, numpy views, ``untyped_storage()``, DLPack or extension kernels
+    that leave the version counter alone: such a tensor is saved with its old bytes. Fused optimizers are seen
+    (see :mod:`ckptstore.io.changes`); DTensor shards are always hashed.
+    """
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    codec: str = "raw"
+    zstd_level: int = 1
+    workers: int = 4
+    direct_io: bool = True
+    track_versions: bool = False
+    packing: Packing = field(default_factory=Packing)
+
+    def __post_init__(self):
+        if self.codec not in CODECS:
+            raise ValueError(f"Writing.codec must be one of {CODECS}, got {self.codec!r}")
+        _count("Writing", "chunk_size", self.chunk_size, 4096)
+        _count("Writing", "workers", self.workers, 1)
+        if isinstance(self.zstd_level, bool) or not isinstance(self.zstd_level, int):
+            raise ValueError(f"Writing.zstd_level must be an int, got {self.zstd_level!r}")
+        if not isinstance(self.packing, Packing):
+            raise TypeError(f"Writing.packing must be a ckptstore.Packing, got {type(self.packing).__name__}")
+
+
+@dataclass(frozen=True)
+class Remote:
+    """The remote tier (``Store(remote=Remote(url, ...))``; ``Store(remote=url)`` is ``Remote(url)``).
+
+    ``url``: an fsspec URL (``s3://bucket/prefix``, ``gs://...``, ``memory://...``, ``file://...``) to which
+    every committed step is uploaded in the background, in commit order (see :mod:`ckptstore.remote.upload` for the
+    order, crash safety and backlog policy), and from which ``resume`` / ``load`` / ``restore`` read.
+    ``workers``: parallel blob uploads (default 8). ``retry``: a :class:`~ckptstore.util.retry.RetryPolicy`
+    (deadline and per-attempt timeout, in seconds) for every call to the remote, uploads and reads, and for
+    reads of ``load_path``. ``backlog``: committed steps allowed to wait for upload (default 8; older waiting
+    ones are dropped from the queue, never from the disk). ``upload``: ``False`` to use the remote only to read
+    from (resume, ``pull``), never to write to it. ``keep_local``: keep at most this many committed steps on
+    local disk once they are uploaded (the newest ones; a step not yet uploaded is never removed by this rule);
+    ``0``: no local copy of an uploaded step is kept, ``resume`` then pulls from the remote; ``None`` (default):
+    local steps follow ``keep`` alone. ``every``: upload only the committed steps that are multiples of it
+    (default 1: every step); with a memory tier (:class:`~ckptstore.memtier.memory.Memory`) those are the disk steps
+    that are multiples of it.
+    """
+    url: str
+    workers: int = 8
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    backlog: int = 8
+    upload: bool = True
+    keep_local: Optional[int] = None
+    every: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.url, str) or not self.url:
+            raise ValueError(f"Remote.url must be a non-empty URL string, got {self.url!r}")
+        _count("Remote", "workers", self.workers, 1)
+        _count("Remote", "backlog", self.backlog, 1)
+        if not isinstance(self.retry, RetryPolicy):
+            raise TypeError(f"Remote.retry must be a ckptstore.RetryPolicy, got {type(self.retry).__name__}")
+        if self.keep_local is not None:
+            _count("Remote", "keep_local", self.keep_local, 0)
+        _count("Remote", "every", self.every, 1)
+
+    @classmethod
+    def of(cls, remote) -> Optional["Remote"]:
+        """``Store(remote=...)``'s value as a :class:`Remote`: ``None``, a URL string (or path), or a
+        :class:`Remote`."""
+        if remote is None or isinstance(remote, Remote):
+            return remote
+        if isinstance(remote, (str, os.PathLike)):
+            return cls(os.fspath(remote))
+        raise TypeError(f"remote must be a URL string or a ckptstore.Remote, got {type(remote).__name__}")

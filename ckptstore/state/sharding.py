@@ -1,0 +1,250 @@
+"""Sharded values: what a rank's shard of a DTensor is, and how saved shards fill any other sharding.
+
+**Saving.** A ``torch.distributed.tensor.DTensor`` (FSDP2 ``fully_shard``, tensor parallel, 2-D meshes, the
+values of ``get_state_dict``) is stored as its *local shard* only, like any tensor (chunked, content-addressed,
+deduplicated), plus a :class:`ShardInfo`: the global shape, the shard's offset in it, the mesh shape and the
+placements. The box ``[offset, offset + local shape)`` is what :func:`torch.distributed.tensor._utils.
+compute_local_shape_and_global_offset` gives, the same description DCP's planner writes. ``Partial``
+placements (unreduced values) are refused: they are not a value until reduced.
+
+**Loading (resharding).** A target is a box of the global tensor: a DTensor's local shard under *its* current
+mesh and placements, or the whole tensor for a plain target. For each target, :func:`plan` finds the saved
+shards that overlap it and :func:`fill` copies the overlapping regions in, reading only the chunks that hold
+them (ranged reads of packs, whole blobs otherwise), each verified against its id, in slabs of at most
+``slab_bytes`` so the extra memory is a few chunks, not a copy of the state.
+
+Planning is per target: saved shards of a key are sorted once by their offset in dim 0, and each target looks
+up the candidates by bisection (no pass over every pair of saved and target shards, so thousands of ranks and
+tensors stay cheap). Replicated shards (the same box saved by several ranks) are read once.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..util.errors import CorruptCheckpointError
+
+Box = Tuple[Tuple[int, ...], Tuple[int, ...]]       # (offset, shape)
+MAX_DIMS = 64
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Where a saved local shard sits in its global tensor.
+
+    ``global_shape``: the full tensor's shape. ``offset``: the shard's first index in each dim (the shard's
+    own shape is the manifest entry's ``shape``). ``mesh``: the device mesh's shape at save time.
+    ``placements``: one string per mesh dim, as torch prints them (``"S(0)"``, ``"R"``, ``"_S(0, 2)"``);
+    informational (the box alone drives resharding). ``grid``: at save time only (never in a manifest), the
+    mesh's ranks in mesh order as little-endian int32 bytes, one object shared by every DTensor of the same
+    mesh (the step's shard map records it once: :mod:`ckptstore.format.shardmap`).
+    """
+    global_shape: Tuple[int, ...]
+    offset: Tuple[int, ...]
+    mesh: Tuple[int, ...] = ()
+    placements: Tuple[str, ...] = ()
+    grid: Optional[bytes] = field(default=None, compare=False, repr=False)
+
+    def encode(self) -> Dict[str, Any]:
+        return {"global_shape": list(self.global_shape), "offset": list(self.offset), "mesh": list(self.mesh),
+                "placements": list(self.placements)}
+
+    @staticmethod
+    def decode(d: Any, local_shape: Tuple[int, ...], where: str) -> "ShardInfo":
+        """Validate a manifest's shard record against the entry's shape. Raises ``ValueError``."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: shard record is not a map")
+
+        def ints(name, hi):
+            v = d.get(name)
+            if not isinstance(v, list) or len(v) > MAX_DIMS or not all(
+                    isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= hi for x in v):
+                raise ValueError(f"{where}: bad shard {name} {v!r:.80}")
+            return tuple(v)
+        g, o, m = ints("global_shape", 1 << 48), ints("offset", 1 << 48), ints("mesh", 1 << 24)
+        p = d.get("placements", [])
+        if not isinstance(p, list) or len(p) != len(m) or not all(isinstance(x, str) and len(x) < 64 for x in p):
+            raise ValueError(f"{where}: bad shard placements {p!r:.80}")
+        if not (len(g) == len(o) == len(local_shape)):
+            raise ValueError(f"{where}: shard of rank {len(local_shape)} in a global tensor of rank {len(g)}")
+        for dim, (gs, off, ls) in enumerate(zip(g, o, local_shape)):
+            if off + ls > gs:
+                raise ValueError(f"{where}: shard [{off}, {off + ls}) exceeds global size {gs} in dim {dim}")
+        return ShardInfo(g, o, m, tuple(p))
+
+
+def is_dtensor(value: Any) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor`` (checked without importing torch.distributed)."""
+    return isinstance(value, torch.Tensor) and type(value).__name__ == "DTensor" and hasattr(value, "placements")
+
+
+def local_shard(t) -> Tuple[torch.Tensor, ShardInfo]:
+    """A DTensor's local tensor and its :class:`ShardInfo`. Raises ``TypeError`` for ``Partial`` placements."""
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    if any(isinstance(p, Partial) for p in t.placements):
+        raise TypeError(f"a DTensor with Partial placements {tuple(t.placements)} holds unreduced values: "
+                        "redistribute it to Shard/Replicate before saving")
+    local = t.to_local()
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if tuple(shape) != tuple(local.shape):
+        raise TypeError(f"DTensor local shard has shape {tuple(local.shape)}, its placements "
+                        f"{tuple(t.placements)} say {tuple(shape)}: cannot place it")
+    return local, ShardInfo(tuple(int(s) for s in t.shape), tuple(int(o) for o in offset),
+                            tuple(int(s) for s in t.device_mesh.shape), tuple(str(p) for p in t.placements),
+                            mesh_grid(t.device_mesh))
+
+
+_GRIDS: Dict[int, Tuple[Any, bytes]] = {}       # id(mesh) -> (mesh, its grid): a few long-lived meshes
+
+
+def mesh_grid(mesh) -> Optional[bytes]:
+    """A device mesh's ranks in mesh order, int32 little-endian (cached per mesh object); ``None`` if
+    unavailable."""
+    hit = _GRIDS.get(id(mesh))
+    if hit is not None and hit[0] is mesh:
+        return hit[1]
+    try:
+        grid = mesh.mesh.to(torch.int32).contiguous().cpu().numpy().astype("<i4").tobytes()
+    except Exception:                  # pragma: no cover - a mesh type without a rank grid
+        return None
+    if len(_GRIDS) >= 64:
+        _GRIDS.clear()
+    _GRIDS[id(mesh)] = (mesh, grid)
+    return grid
+
+
+def target_box(t) -> Box:
+    """The box of the global tensor that target ``t`` holds: its local shard for a DTensor, else all of it."""
+    if is_dtensor(t):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return tuple(int(o) for o in offset), tuple(int(s) for s in shape)
+    return (0,) * t.dim(), tuple(t.shape)
+
+
+def intersect(a: Box, b: Box) -> Optional[Box]:
+    """The intersection of two boxes, ``None`` when empty (a 0-d box intersects a 0-d box)."""
+    lo = tuple(max(x, y) for x, y in zip(a[0], b[0]))
+    hi = tuple(min(x + n, y + m) for x, n, y, m in zip(a[0], a[1], b[0], b[1]))
+    if any(h <= l for l, h in zip(lo, hi)):
+        return None
+    return lo, tuple(h - l for l, h in zip(lo, hi))
+
+
+@dataclass
+class SavedShard:
+    """One saved shard of a key: its box and what reads it (``entry``: the manifest's ArrayEntry; ``rank``)."""
+    box: Box
+    entry: Any
+    rank: int
+
+
+class ShardIndex:
+    """The saved shards of one key, sorted for lookup by dim-0 offset. Same-box shards (replicas) count once,
+    the first rank's (a rank's own shard is preferred by passing it first)."""
+
+    def __init__(self, global_shape: Tuple[int, ...], shards: Iterable[SavedShard]):
+        self.global_shape = global_shape
+        seen, uniq = set(), []
+        for s in shards:
+            if s.box not in seen:
+                seen.add(s.box)
+                uniq.append(s)
+        uniq.sort(key=lambda s: s.box[0][0] if s.box[0] else 0)
+        self.shards = uniq
+        self._starts = [s.box[0][0] if s.box[0] else 0 for s in uniq]
+        self._max_len = max((s.box[1][0] if s.box[1] else 1 for s in uniq), default=0)
+
+    def overlapping(self, box: Box) -> List[Tuple[SavedShard, Box]]:
+        """Saved shards overlapping ``box`` with the overlap, by bisection on dim 0."""
+        if not box[0]:                                   # 0-d: every shard is the whole value
+            return [(s, box) for s in self.shards[:1]]
+        lo, hi = box[0][0], box[0][0] + box[1][0]
+        first = bisect.bisect_left(self._starts, lo - self._max_len + 1) if self._max_len else 0
+        out = []
+        for s in self.shards[first: bisect.bisect_left(self._starts, hi)]:
+            r = intersect(box, s.box)
+            if r is not None:
+                out.append((s, r))
+        return out
+
+    def check_covers(self, box: Box, overlaps: List[Tuple[SavedShard, Box]], where: str) -> None:
+        """Raise ``CorruptCheckpointError`` unless the overlaps cover every element of ``box`` exactly once:
+        they are pairwise disjoint (saved shards of one key never overlap except as identical replicas, which
+        the index keeps once) and their sizes add up to the box's. Counting alone is not enough: a shard moved
+        to overlap another by k rows leaves k rows uncovered with the same count (issue 17). Disjointness is
+        checked by a sweep along dim 0 (sorted once; each overlap is compared only with those whose dim-0 range
+        it meets), not all pairs."""
+        want = _numel(box[1])
+        got = sum(_numel(r[1]) for _, r in overlaps)
+        if got != want:
+            raise CorruptCheckpointError(f"saved shards cover {got} of the {want} elements this rank needs "
+                                         f"(box offset {list(box[0])}, shape {list(box[1])})", key=where)
+        if not box[0]:                                   # 0-d: one value
+            if len(overlaps) > 1:
+                raise CorruptCheckpointError("several saved shards of a 0-d value", key=where)
+            return
+        active: List[Tuple[int, SavedShard, Box]] = []   # (dim-0 end, shard, overlap) meeting the sweep line
+        for shard, region in sorted(overlaps, key=lambda o: o[1][0][0]):
+            start = region[0][0]
+            active = [a for a in active if a[0] > start]
+            for _, other, prev in active:
+                if intersect(prev, region) is not None:
+                    raise CorruptCheckpointError(
+                        f"saved shards of rank {other.rank} (offset {list(other.box[0])}, shape "
+                        f"{list(other.box[1])}) and rank {shard.rank} (offset {list(shard.box[0])}, shape "
+                        f"{list(shard.box[1])}) overlap: the step's shards do not tile the tensor", key=where)
+            active.append((start + region[1][0], shard, region))
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _strides(shape: Sequence[int]) -> Tuple[int, ...]:
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(out))
+
+
+def fill(dst: torch.Tensor, dst_box: Box, shard: SavedShard, region: Box, read_span, *,
+         slab_bytes: int = 16 << 20) -> None:
+    """Copy ``region`` (global coordinates) of a saved shard into ``dst`` (holding ``dst_box``).
+
+    ``read_span(entry, byte_lo, byte_hi) -> torch.uint8 tensor`` returns the saved shard's flat bytes
+    ``[byte_lo, byte_hi)``, verified. Rows of the region (dim 0) are read in slabs of about ``slab_bytes``.
+    """
+    entry = shard.entry
+    src_off, src_shape = shard.box
+    dtype = dst.dtype
+    item = dst.element_size()
+    rel_src = tuple(r - o for r, o in zip(region[0], src_off))
+    rel_dst = tuple(r - o for r, o in zip(region[0], dst_box[0]))
+    size = region[1]
+    if not size:                                            # 0-d
+        data = read_span(entry, 0, item)
+        dst.copy_(data.view(dtype).reshape(()))
+        return
+    strides = _strides(src_shape)
+    row_bytes = strides[0] * item
+    rows_per_slab = max(1, slab_bytes // max(1, row_bytes))
+    for r0 in range(0, size[0], rows_per_slab):
+        nrows = min(rows_per_slab, size[0] - r0)
+        first = (rel_src[0] + r0) * strides[0] + sum(i * s for i, s in zip(rel_src[1:], strides[1:]))
+        last = (rel_src[0] + r0 + nrows - 1) * strides[0] + sum(
+            (i + n - 1) * s for i, n, s in zip(rel_src[1:], size[1:], strides[1:]))
+        data = read_span(entry, first * item, (last + 1) * item).view(dtype)
+        src = data.as_strided((nrows,) + tuple(size[1:]), strides)
+        view = dst
+        for d, (lo, n) in enumerate(zip((rel_dst[0] + r0,) + rel_dst[1:], (nrows,) + tuple(size[1:]))):
+            view = view.narrow(d, lo, n)
+        view.copy_(src)
