@@ -249,19 +249,26 @@ def _decode_proc_addr(hexaddr: str) -> tuple[str, int]:
     return ip, int(port, 16)
 
 
-def open_files(pids: list[int]) -> Iterator[tuple[str, str]]:
-    """``(/proc/<pid>/fd/<n>, what it points to)`` for every open descriptor of ``pids`` (Linux /proc only)."""
+def _proc_entries(pids: list[int], sub: str) -> Iterator[tuple[int, str]]:
+    """``(pid, name)`` for every entry of ``/proc/<pid>/<sub>`` (``fd``, ``task``) of ``pids``; a process that is
+    gone (or no /proc) yields nothing."""
     for pid in pids:
         try:
-            fds = os.listdir(f"/proc/{pid}/fd")
+            names = os.listdir(f"/proc/{pid}/{sub}")
         except OSError:
             continue
-        for fd in fds:
-            entry = f"/proc/{pid}/fd/{fd}"
-            try:
-                yield entry, os.readlink(entry)
-            except OSError:
-                continue
+        for name in names:
+            yield pid, name
+
+
+def open_files(pids: list[int]) -> Iterator[tuple[str, str]]:
+    """``(/proc/<pid>/fd/<n>, what it points to)`` for every open descriptor of ``pids`` (Linux /proc only)."""
+    for pid, fd in _proc_entries(pids, "fd"):
+        entry = f"/proc/{pid}/fd/{fd}"
+        try:
+            yield entry, os.readlink(entry)
+        except OSError:
+            continue
 
 
 def listening_addresses(pids: list[int]) -> list[tuple[str, int]]:
@@ -287,19 +294,14 @@ def _wait_stopped(pids: list[int], timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         running = False
-        for pid in pids:
+        for pid, tid in _proc_entries(pids, "task"):
             try:
-                tids = os.listdir(f"/proc/{pid}/task")
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
             except OSError:
                 continue
-            for tid in tids:
-                try:
-                    with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                        state = f.read().rsplit(")", 1)[1].split()[0]
-                except OSError:
-                    continue
-                if state not in ("T", "t", "Z", "X"):
-                    running = True
+            if state not in ("T", "t", "Z", "X"):
+                running = True
         if not running:
             return
         time.sleep(0.005)

@@ -43,26 +43,25 @@ def require_restart(server: _Server) -> None:
         pytest.skip(f"restart/stop not supported on external endpoint {server.endpoint}")
 
 
-@pytest.fixture(scope="session")
-def s3_server() -> Iterator[S3Server]:
-    srv = S3Server.from_env()
+def _serve(cls: type[_Server]) -> Iterator[_Server]:
+    """The server ``cls.from_env()`` names, started for the session; stopped after it unless external."""
+    srv = cls.from_env()
     srv.start()
     try:
         yield srv
     finally:
         if not srv.is_external:
             srv.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    yield from _serve(S3Server)
 
 
 @pytest.fixture(scope="session")
 def gcs_server() -> Iterator[GCSServer]:
-    srv = GCSServer.from_env()
-    srv.start()
-    try:
-        yield srv
-    finally:
-        if not srv.is_external:
-            srv.stop()
+    yield from _serve(GCSServer)
 
 
 def _invalidate(protocol: str, storage_options: dict[str, Any]) -> None:

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ckptstore import Retention, Store
 from ckptstore.integrations.accelerate import accelerator_state, replicated_keys
+from rank import result
 
 
 def main():
@@ -78,8 +79,7 @@ def main():
             epoch += 1
             p["epoch"], p["batch"] = epoch, 0
     store.close()
-    print("RESULT " + json.dumps({"start": start, "progress": p, "replicated": replicated,
-                                   "keys": sorted(state)}), flush=True)
+    result({"start": start, "progress": p, "replicated": replicated, "keys": sorted(state)})
 
 
 if __name__ == "__main__":

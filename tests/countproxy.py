@@ -22,6 +22,8 @@ import urllib.parse
 from collections import Counter
 from typing import Dict, List, Optional, Tuple
 
+from proxybase import LoopbackProxy, pipe
+
 KINDS = ("GET", "HEAD", "LIST", "PUT", "DELETE")
 
 
@@ -41,36 +43,20 @@ def classify(method: str, target: str) -> str:
     return method
 
 
-class CountingProxy:
+class CountingProxy(LoopbackProxy):
     """``with CountingProxy(upstream_port) as proxy:`` clients use ``proxy.endpoint``; ``proxy.counts`` (a
     ``Counter`` by kind), ``proxy.requests`` ((method, target) in arrival order), ``proxy.marks`` (name ->
     counts at that mark, a copy) and :meth:`between`."""
 
+    name = "countproxy"
+
     def __init__(self, upstream_port: int):
-        self.upstream_port = upstream_port
+        super().__init__(upstream_port)
         self.counts: Counter = Counter()
         self.requests: List[Tuple[str, str]] = []
         self.marks: Dict[str, Counter] = {}
         self.mark_index: Dict[str, int] = {}
-        self.port: Optional[int] = None
         self._lock = threading.Lock()
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="countproxy", daemon=True)
-
-    def __enter__(self) -> "CountingProxy":
-        self._thread.start()
-        if not self._ready.wait(10):
-            raise RuntimeError("counting proxy did not start")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def reset(self) -> None:
         with self._lock:
@@ -95,18 +81,11 @@ class CountingProxy:
         return self.requests[self.mark_index[a] if a is not None else 0:self.mark_index[b]]
 
     # -- the server ---------------------------------------------------------------------------------------------
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
-        self.port = server.sockets[0].getsockname()[1]
-        self._ready.set()
-        self._loop.run_forever()
-
     async def _handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
         up = down = None
         try:
-            ur, uw = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-            down = asyncio.ensure_future(_pipe(ur, cw))
+            ur, uw = await self.connect_upstream()
+            down = asyncio.ensure_future(pipe(ur, cw))
             up = asyncio.ensure_future(self._requests(cr, uw, cw))
             await asyncio.wait([up, down], return_when=asyncio.FIRST_COMPLETED)
         except (ConnectionError, OSError):
@@ -164,15 +143,6 @@ class CountingProxy:
             await w.drain()
 
 
-async def _pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-    while True:
-        data = await r.read(65536)
-        if not data:
-            break
-        w.write(data)
-        await w.drain()
-
-
 def mark(endpoint: str, name: str) -> None:
     """From a process under test: record the proxy's counts so far under ``name`` (see the module docstring)."""
     import urllib.request
@@ -182,37 +152,11 @@ def mark(endpoint: str, name: str) -> None:
 
 # -- jobs whose requests are counted (tests/test_request_budget.py, benchmarks/bench_requests.py) -------------------
 def run_job(world: int, *args: str, timeout: float = 240) -> dict:
-    """Run ``tests/request_worker.py`` as ``world`` ranks, launched like torchrun (gloo on 127.0.0.1); raise
-    with their output when one fails. Returns rank 0's ``RESULT`` dict."""
-    import json
-    import os
-    import subprocess
-    import sys
+    """Run ``tests/request_worker.py`` as ``world`` ranks with tests/dist.py (launched like torchrun, gloo on
+    127.0.0.1); fails with their output when one fails. Returns rank 0's ``RESULT`` dict."""
     from pathlib import Path
-    here = Path(__file__).resolve().parent
-    sys.path.insert(0, str(here))
-    from dist import free_port
-    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
-                OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
-                PYTHONPATH=os.pathsep.join(filter(None, [str(here.parent), os.environ.get("PYTHONPATH")])))
-    procs = [subprocess.Popen([sys.executable, "-u", str(here / "request_worker.py"), *args],
-                              env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for r in range(world)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    bad = [r for r, p in enumerate(procs) if p.returncode != 0]
-    if bad:
-        raise RuntimeError(f"ranks {bad} failed:\n" + "\n".join(f"--- rank {r}\n{outs[r][-3000:]}" for r in bad))
-    lines = [ln for ln in outs[0].splitlines() if ln.startswith("RESULT ")]
-    return json.loads(lines[-1][len("RESULT "):]) if lines else {}
+    from dist import run
+    return run(world, *args, script=Path(__file__).resolve().parent / "request_worker.py", timeout=timeout)[0] or {}
 
 
 def measure(proxy: CountingProxy, url: str, storage_options: dict, root: str, world: int, *, per_node: int = 4,

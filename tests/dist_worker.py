@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import signal
-import sys
 import time
 
 import torch
@@ -26,6 +25,7 @@ from torch.distributed.fsdp import fully_shard
 
 from ckptstore import Store, Remote, Retention
 from ckptstore.util.errors import CheckpointError
+from rank import close_and_report, finish, join, result
 
 
 class Net(nn.Module):
@@ -167,8 +167,7 @@ def main():
     ap.add_argument("--replicated-ranks", default="", help="only these ranks pass --replicated (a mistake)")
     ap.add_argument("--rng", type=int, default=0, help="save torch's CPU generator per rank (equal on every rank)")
     args = ap.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = join()
     mesh_shape = tuple(int(x) for x in args.mesh.split("x")) if args.mesh else (world,)
     model, optim = build(mesh_shape, ddp=bool(args.ddp))
     app = AppState(model, optim)
@@ -200,7 +199,7 @@ def main():
         except OSError as e:
             out.update(result="error", type=type(e).__name__, error=str(e))
         out["seconds"] = time.monotonic() - t0
-        print("RESULT " + json.dumps(out), flush=True)
+        result(out)
         if args.mode == "stall":            # the stopped rank never leaves: give the others time to read
             time.sleep(3)
             os._exit(0)
@@ -220,16 +219,16 @@ def main():
         try:
             step = store.resume(state, rank_local=args.rank_local)
         except CheckpointError as e:
-            print("RESULT " + json.dumps({"rank": rank, "result": "error", "type": type(e).__name__,
-                                          "error": str(e)}), flush=True)
+            result({"rank": rank, "result": "error", "type": type(e).__name__,
+                    "error": str(e)})
             os._exit(0)
         fs = full_state(model, optim)
         if rank == 0 and args.full:
             torch.save({"step": step, "state": fs, "progress": progress}, args.full)
-        print("RESULT " + json.dumps({"rank": rank, "result": "loaded", "step": step, **digests(model, optim),
-                                      "tier": (store.resumed_from or {}).get("tier"),
-                                      "manifests_read": (store.resumed_from or {}).get("manifests_read"),
-                                      "progress": state.get("progress")}), flush=True)
+        result({"rank": rank, "result": "loaded", "step": step, **digests(model, optim),
+                "tier": (store.resumed_from or {}).get("tier"),
+                "manifests_read": (store.resumed_from or {}).get("manifests_read"),
+                "progress": state.get("progress")})
         close_and_report(store, rank)
         finish()
         return
@@ -255,36 +254,16 @@ def main():
             try:
                 store.save(state, step, blocking=bool(args.blocking), replicated=rep)
             except CheckpointError as e:
-                print("RESULT " + json.dumps({"rank": rank, "result": "error", "type": type(e).__name__,
-                                              "error": str(e)}), flush=True)
+                result({"rank": rank, "result": "error", "type": type(e).__name__,
+                        "error": str(e)})
                 os._exit(0)
     if args.full:
         fs = full_state(model, optim)
         if rank == 0:
             torch.save({"step": step, "state": fs, "progress": progress}, args.full)
-        print("RESULT " + json.dumps({"rank": rank, "step": step, **digests(model, optim)}), flush=True)
+        result({"rank": rank, "step": step, **digests(model, optim)})
     close_and_report(store, rank)
     finish()
-
-
-def close_and_report(store, rank):
-    """Close the store (waits for uploads) and print how that went."""
-    run_id = store.run_id
-    try:
-        store.close()
-        print("RESULT " + json.dumps({"rank": rank, "close": "ok", "run_id": run_id}), flush=True)
-    except CheckpointError as e:
-        print("RESULT " + json.dumps({"rank": rank, "close": f"{type(e).__name__}: {e}"}), flush=True)
-
-
-def finish():
-    """Leave together: rank 0 hosts the key-value store, so nobody tears down while others still use it.
-    Then exit at once: about 1 job in 20 here aborted in interpreter teardown after destroy_process_group
-    ("terminate called without an active exception", after all work and output were done)."""
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ and at each save how many indices the sampler's iterator had handed out beyond w
 """
 import argparse
 import contextlib
-import json
 import os
 import signal
 
@@ -24,6 +23,7 @@ from torch.distributed.algorithms.join import Join
 from torch.utils.data import DataLoader, TensorDataset
 
 from ckptstore import ElasticSampler, Store
+from rank import add_options, finish, join, result
 
 
 class CountingSampler(ElasticSampler):
@@ -41,19 +41,11 @@ def main():
     ap.add_argument("--store", required=True)
     ap.add_argument("--logdir", required=True)
     ap.add_argument("--tag", required=True)
-    ap.add_argument("--n", type=int, default=70)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--epochs", type=int, default=1)
-    ap.add_argument("--save-every", type=int, default=0)
-    ap.add_argument("--die-after", type=int, default=0)
-    ap.add_argument("--workers", type=int, default=0)
-    ap.add_argument("--prefetch", type=int, default=2)
-    ap.add_argument("--join", type=int, default=0)
+    add_options(ap, n=70, batch=4, epochs=1, save_every=0, die_after=0, workers=0, prefetch=2, join=0)
     ap.add_argument("--ddp", type=int, default=1, help="0: average the gradients by hand (no DDP: ~1 s less "
                     "per rank, as DDP's construction imports torch._dynamo)")
     args = ap.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = join()
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.n, 4, generator=g)
@@ -69,7 +61,7 @@ def main():
     resumed = store.resume(state)
     step = state["step"]
     out = {"rank": rank, "resumed": resumed, "epoch": sampler.epoch, "consumed": sampler.consumed, "ahead": []}
-    print("RESULT " + json.dumps(out), flush=True)
+    result(out)
 
     with open(os.path.join(args.logdir, f"{args.tag}-rank{rank}.log"), "a") as logf:
         for epoch in range(sampler.epoch, args.epochs):
@@ -94,13 +86,12 @@ def main():
                     if args.save_every and step % args.save_every == 0:
                         store.save(state, step, replicated=["model", "optim"])
                         out["ahead"].append(sampler.handed_out - trained)
-                        print("RESULT " + json.dumps({"ahead": out["ahead"]}), flush=True)
+                        result({"ahead": out["ahead"]})
                     if step == args.die_after:
                         os.killpg(os.getpgid(0), signal.SIGKILL)      # this rank and its loader workers
             sampler.finish_epoch()
     store.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

@@ -27,17 +27,19 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-import threading
 from collections import Counter
 from typing import Optional
 
+from proxybase import LoopbackProxy, pipe
 
-class FaultProxy:
+
+class FaultProxy(LoopbackProxy):
     FATES = ("reset", "slowdown", "lost", "stall", "ok")
+    name = "faultproxy"
 
     def __init__(self, upstream_port: int, *, seed: int = 0, weights=(2, 2, 2, 1, 6), stall_seconds: float = 3.0,
                  slowdown_status: int = 503):
-        self.upstream_port = upstream_port
+        super().__init__(upstream_port)
         self.slowdown_status = slowdown_status
         self.rng = random.Random(seed)
         self.weights = weights
@@ -52,19 +54,6 @@ class FaultProxy:
         self._damage_last: dict = {}            # request line -> the last damage done to its answer
         self.blackhole = False                  # see the module docstring
         self.counts: Counter = Counter()
-        self.port: Optional[int] = None
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="faultproxy", daemon=True)
-
-    def __enter__(self) -> "FaultProxy":
-        self._thread.start()
-        self._ready.wait(10)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
 
     def damage(self, n: Optional[int], match: bytes, kind: str = "mixed") -> None:
         """Damage the next ``n`` (``None``: every) answers to GETs whose request line matches ``match`` (a
@@ -89,16 +78,14 @@ class FaultProxy:
         self.counts["damaged"] += 1
         return fate
 
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
-        self.port = server.sockets[0].getsockname()[1]
-        self._ready.set()
-        self._loop.run_forever()
+    def _upstream(self, data: bytes, seen: list) -> Optional[bytes]:
+        """Client -> server, read by read (:func:`proxybase.pipe`): nothing crosses while ``blackhole`` is on; a
+        read that starts a request adds its request line to ``seen``."""
+        if self.blackhole:
+            return None
+        if data[:8].split(b" ")[0] in (b"GET", b"PUT", b"POST", b"HEAD", b"DELETE"):
+            seen.append(data.split(b"\r\n", 1)[0])
+        return data
 
     async def _pipe_down(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, seen) -> None:
         """Server -> client; while ``corrupt_bodies`` > 0, byte 32 of the body of a 200 or 206 answer to a GET whose
@@ -153,7 +140,7 @@ class FaultProxy:
                 body_len = 0
             elif length is None or re.search(rb"(?i)\r\ntransfer-encoding:", head):
                 w.write(head)
-                await _pipe(r, w)
+                await pipe(r, w)
                 return
             else:
                 body_len = int(length.group(1))
@@ -205,17 +192,17 @@ class FaultProxy:
                 await cr.read(65536)
                 await asyncio.sleep(self.stall_seconds)
                 return _reset(cw)
-            ur, uw = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+            ur, uw = await self.connect_upstream()
             lifetime = self.rng.uniform(0.3, 2.0)
             seen = []                              # request lines sent on this connection, newest last
-            up = asyncio.ensure_future(_pipe(cr, uw, seen, self))
+            up = asyncio.ensure_future(pipe(cr, uw, lambda data: self._upstream(data, seen)))
             if fate == "lost":
                 await ur.read(65536)                  # the server answered: it applied the request
                 up.cancel()
                 uw.close()
                 return _reset(cw)
-            pipe = self._pipe_damaging if self.damage_match is not None else self._pipe_down
-            down = asyncio.ensure_future(pipe(ur, cw, seen))
+            answers = self._pipe_damaging if self.damage_match is not None else self._pipe_down
+            down = asyncio.ensure_future(answers(ur, cw, seen))
             # under faults a healthy connection still ends soon (possibly mid-request: one more lost answer);
             # without faults it lives until either side closes it
             await asyncio.wait([up, down], timeout=lifetime if self.faults else None,
@@ -226,19 +213,6 @@ class FaultProxy:
             cw.close()
         except (ConnectionError, OSError, asyncio.CancelledError):
             cw.close()
-
-
-async def _pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter, seen=None, proxy=None) -> None:
-    while True:
-        data = await r.read(65536)
-        if not data:
-            break
-        if proxy is not None and proxy.blackhole:
-            continue
-        if seen is not None and data[:8].split(b" ")[0] in (b"GET", b"PUT", b"POST", b"HEAD", b"DELETE"):
-            seen.append(data.split(b"\r\n", 1)[0])
-        w.write(data)
-        await w.drain()
 
 
 def _reset(w: asyncio.StreamWriter) -> None:

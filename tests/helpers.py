@@ -77,6 +77,31 @@ def rewrite_manifest(root, step, mutate, rank: int = 0) -> None:
     rewrite_frame(step_dir(root, step) / "COMMIT", fix_digest)
 
 
+def rewrite_tensor_entries(root, step, edit, key=None, rank: int = 0) -> None:
+    """:func:`rewrite_manifest` calling ``edit(entry)`` on the entry (shape, dtype, chunks...) of every tensor
+    node of the manifest, or only of the node at ``key`` (a tuple) when given."""
+    def mutate(body):
+        for node in body["nodes"]:
+            if node[1] == "tensor" and (key is None or node[0] == list(key)):
+                edit(node[2])
+    rewrite_manifest(root, step, mutate, rank)
+
+
+CHUNK_FIELDS = ("blob_id", "nbytes", "codec", "pack", "offset", "stored")   # a chunk record (FORMAT.md, manifest)
+
+
+def edit_chunk(root, step, field: str, value, key=None, rank: int = 0) -> None:
+    """Set ``field`` (one of :data:`CHUNK_FIELDS`) of the first chunk record of every tensor of ``step``'s
+    manifest, or only of the tensor at ``key``, to ``value`` (a callable: ``value(old)``); see
+    :func:`rewrite_tensor_entries`."""
+    i = CHUNK_FIELDS.index(field)
+
+    def edit(entry):
+        chunk = entry["chunks"][0]
+        chunk[i] = value(chunk[i]) if callable(value) else value
+    rewrite_tensor_entries(root, step, edit, key=key, rank=rank)
+
+
 def arm_kill_in_save(store, step: int) -> None:
     """Test-only fault injection for worker processes: SIGKILL this process when the commit marker of ``step``
     is about to be written (it goes through the store's storage ``write_atomic``; rank 0 writes it): the

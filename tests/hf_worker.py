@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import signal
-import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -25,6 +24,7 @@ os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 from helpers import arm_kill_in_save  # noqa: E402
+from rank import result  # noqa: E402
 
 SEQ, VOCAB = 32, 128
 
@@ -149,8 +149,7 @@ def main() -> None:
     if not a.plain:
         out["resumed_step"] = trainer.resumed_step
         trainer.store.close()
-    print("RESULT " + json.dumps(out, default=str), flush=True)
-    sys.stdout.flush()
+    result(out, default=str)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from torch.utils.data import TensorDataset  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
 from ckptstore import Store  # noqa: E402
+from rank import result  # noqa: E402
 from ckptstore.integrations.lightning import CkptstoreCheckpointIO, CkptstoreModelParallelStrategy  # noqa: E402
 
 
@@ -165,7 +166,7 @@ def main():
             with Store(a.remote, storage_options=storage_options, read_only=True, rank=0, world_size=1,
                        create=False) as s:
                 out["remote_steps"] = s.steps()
-    print("RESULT " + json.dumps(out), flush=True)
+    result(out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ one node. Options:
 Each rank prints ``RESULT {...}`` (resume step, ``resumed_from``, the error of step K's save when --die-at).
 """
 import argparse
-import datetime
 import json
 import logging
 import os
@@ -39,6 +38,7 @@ from countproxy import mark  # noqa: E402
 
 from ckptstore import Memory, Remote, Retention, RNGState, Store  # noqa: E402
 from ckptstore.util.errors import CheckpointError  # noqa: E402
+from rank import add_options, finish, join, leave_now, result  # noqa: E402
 
 
 class KillOnReplication(logging.Handler):
@@ -61,25 +61,13 @@ def main():
     ap.add_argument("--mem", required=True)
     ap.add_argument("--remote", default="")
     ap.add_argument("--so", default="{}")
-    ap.add_argument("--remote-every", type=int, default=6)
-    ap.add_argument("--disk-every", type=int, default=3)
-    ap.add_argument("--mem-keep", type=int, default=3)
-    ap.add_argument("--capacity-mib", type=int, default=64)
-    ap.add_argument("--node-size", type=int, default=2)
-    ap.add_argument("--timeout", type=float, default=20.0)
-    ap.add_argument("--collective-timeout", type=float, default=60.0)
-    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--log", required=True)
-    ap.add_argument("--hold-after", type=int, default=0)
-    ap.add_argument("--die-at", type=int, default=0)
-    ap.add_argument("--die-rank", type=int, default=3)
-    ap.add_argument("--mark", default="")
-    ap.add_argument("--no-memory", action="store_true")
-    ap.add_argument("--replicas", type=int, default=1)
+    add_options(ap, remote_every=6, disk_every=3, mem_keep=3, capacity_mib=64, node_size=2, timeout=20.0,
+                collective_timeout=60.0, steps=10, hold_after=0, die_at=0, die_rank=3, mark="", no_memory=False,
+                replicas=1)
     args = ap.parse_args()
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = join(timeout=90)
     node = rank // args.node_size
     disk = args.disk.replace("{node}", str(node))
     mem = args.mem.replace("{node}", str(node))
@@ -137,9 +125,8 @@ def main():
                 out["error"] = f"{type(e).__name__}: {e}"[:500]
                 out["checkpoint_error"] = isinstance(e, CheckpointError)
             out["save_s"] = time.monotonic() - t0
-            print("RESULT " + json.dumps(out), flush=True)
-            sys.stdout.flush()
-            os._exit(0)                                   # a peer is dead: no collective teardown
+            result(out)
+            leave_now()                                   # a peer is dead: no collective teardown
         store.save(state, step, blocking=False)
         if step == args.hold_after:
             store.wait()
@@ -152,11 +139,8 @@ def main():
                 time.sleep(60)
     store.wait()
     store.close()
-    print("RESULT " + json.dumps(out), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    result(out)
+    finish()
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import torch.nn as nn
 from ckptstore import Packing, Remote, Store, Writing
 from ckptstore.storage.fsspec_storage import FsspecStorage
 from ckptstore.storage.local import LocalStorage
-from dist_worker import finish  # rank 0 hosts the key-value store: leave together, exit at once
+from rank import finish, join, result
 
 COUNT = {"bytes": 0, "paths": {}}
 _lock = threading.Lock()
@@ -113,8 +113,7 @@ def main():
     ap.add_argument("--chunk-mib", type=int, default=0, help="Writing.chunk_size in MiB (benchmarks)")
     ap.add_argument("--read-only", type=int, default=0, help="load: Store(read_only=True): read the remote")
     args = ap.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = join()
     wkw = {"packing": Packing(threshold=args.threshold)} if args.threshold is not None else {}
     if args.chunk_mib:
         wkw["chunk_size"] = args.chunk_mib << 20
@@ -172,7 +171,7 @@ def main():
             out[label] = dict(step=step, digest=digest(model, optim), read=COUNT["bytes"], paths=COUNT["paths"],
                               seconds=seconds, warnings=list(warnings), resumed_from=store.resumed_from)
             store.close()
-    print("RESULT " + json.dumps(out), flush=True)
+    result(out)
     finish()
 
 

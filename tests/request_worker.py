@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from countproxy import mark  # noqa: E402
 
 from ckptstore import Remote, Store  # noqa: E402
-from dist_worker import finish  # noqa: E402  (leave together, exit at once)
+from rank import finish, join, result  # noqa: E402
 
 
 def main():
@@ -37,8 +37,7 @@ def main():
     ap.add_argument("--per-node", type=int, default=4)
     ap.add_argument("--shared-kib", type=int, default=64)
     args = ap.parse_args()
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank, _ = join()
     so = json.loads(args.so)
     endpoint = so["endpoint_url"]
     root = args.store.replace("{node}", str(rank // args.per_node)).replace("{rank}", str(rank))
@@ -69,7 +68,7 @@ def main():
             if rank == 0:
                 mark(endpoint, f"save{step}")
     store.close()
-    print("RESULT " + json.dumps(out), flush=True)
+    result(out)
     finish()
 
 

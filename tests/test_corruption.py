@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ckptstore import CorruptCheckpointError, IncompatibleCheckpointError, Packing, Store, Writing
-from helpers import blobs_of_key, flip_byte, rewrite_manifest, step_dir
+from helpers import blobs_of_key, edit_chunk, flip_byte, rewrite_tensor_entries, step_dir
 
 # These tests damage blob files (a chunk stored alone, as every chunk at or above Packing.threshold is); the
 # same damage inside pack files is tested in test_packs.py.
@@ -134,12 +134,7 @@ def test_manifest_cannot_name_files_outside_the_root(two_steps, tmp_path_factory
     store, root = two_steps
     secret = tmp_path_factory.mktemp("outside") / "secret"
     secret.write_bytes(b"x" * 4000)
-
-    def escape(body):
-        for node in body["nodes"]:
-            if node[1] == "tensor":
-                node[2]["chunks"][0][0] = "../../../../" + str(secret)
-    rewrite_manifest(root, 20, escape)
+    edit_chunk(root, 20, "blob_id", "../../../../" + str(secret))
     with pytest.raises(CorruptCheckpointError, match="invalid blob id"):
         store.load(20)
 
@@ -147,11 +142,9 @@ def test_manifest_cannot_name_files_outside_the_root(two_steps, tmp_path_factory
 def test_manifest_with_inconsistent_sizes_is_rejected(two_steps):
     store, root = two_steps
 
-    def grow(body):
-        for node in body["nodes"]:
-            if node[1] == "tensor":
-                node[2]["shape"] = [10 ** 9]        # would allocate 4 GB if trusted
-    rewrite_manifest(root, 20, grow)
+    def grow(entry):
+        entry["shape"] = [10 ** 9]                  # would allocate 4 GB if trusted
+    rewrite_tensor_entries(root, 20, grow)
     with pytest.raises(CorruptCheckpointError, match="needs 4000000000"):
         store.load(20)
 

@@ -13,7 +13,8 @@ from ckptstore.format.packs import coalesce, plan_packs, ReadItem
 from ckptstore.format.manifest import ChunkRef
 from ckptstore.state.flatten import TORCH_DTYPES
 from fixture_v1 import fixture_state
-from helpers import blob_files, chunks_of_key, data_files, flip_byte, pack_files, rewrite_manifest, step_dir
+from helpers import (CHUNK_FIELDS, blob_files, chunks_of_key, data_files, edit_chunk, flip_byte, pack_files,
+                     rewrite_manifest, step_dir)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "v1_store"
 SMALL = Packing(threshold=64 << 10, target_size=256 << 10)      # small sizes so tests span several packs
@@ -246,25 +247,26 @@ def test_missing_pack(packed_steps):
 
 def test_manifest_pointing_past_the_end_of_a_pack(packed_steps):
     store, root = packed_steps
-
-    def past_end(body):
-        for node in body["nodes"]:
-            if node[0] == ["w"]:
-                node[2]["chunks"][0][4] = 10 ** 9                     # offset far beyond the pack
-    rewrite_manifest(root, 20, past_end)
+    edit_chunk(root, 20, "offset", 10 ** 9, key=("w",))                # far beyond the pack
     with pytest.raises(CorruptCheckpointError, match="pack ends at byte"):
         store.load(20)
     assert store.resume(fresh()) == 10
 
 
+def second_packed_chunk_onto_first(root, step, fields, shift=0):
+    """In ``step``'s manifest, copy ``fields`` (of CHUNK_FIELDS) of the first packed chunk record into the
+    second one, then move the second one's offset by ``shift`` bytes."""
+    def mutate(body):
+        a, b = [n[2]["chunks"][0] for n in body["nodes"] if n[1] == "tensor" and len(n[2]["chunks"][0]) == 6][:2]
+        for f in fields:
+            b[CHUNK_FIELDS.index(f)] = a[CHUNK_FIELDS.index(f)]
+        b[CHUNK_FIELDS.index("offset")] += shift
+    rewrite_manifest(root, step, mutate)
+
+
 def test_overlapping_ranges_are_rejected(packed_steps):
     store, root = packed_steps
-
-    def overlap(body):
-        chunks = [n[2]["chunks"][0] for n in body["nodes"] if n[1] == "tensor" and len(n[2]["chunks"][0]) == 6]
-        a, b = chunks[0], chunks[1]
-        b[3], b[4] = a[3], a[4] + 1                                    # same pack, b starts inside a
-    rewrite_manifest(root, 20, overlap)
+    second_packed_chunk_onto_first(root, 20, ("pack", "offset"), shift=1)   # same pack, b starts inside a
     with pytest.raises(CheckpointError, match="overlapping ranges"):
         store.load(20)
     assert store.resume(fresh()) == 10
@@ -272,23 +274,14 @@ def test_overlapping_ranges_are_rejected(packed_steps):
 
 def test_same_range_claimed_by_two_chunks_is_rejected(packed_steps):
     store, root = packed_steps
-
-    def alias(body):
-        chunks = [n[2]["chunks"][0] for n in body["nodes"] if n[1] == "tensor" and len(n[2]["chunks"][0]) == 6]
-        chunks[1][3:6] = chunks[0][3:6]
-    rewrite_manifest(root, 20, alias)
+    second_packed_chunk_onto_first(root, 20, ("pack", "offset", "stored"))
     with pytest.raises(CorruptCheckpointError, match="claimed by chunks|stores"):
         store.load(20)
 
 
 def test_raw_chunk_with_a_wrong_stored_length_is_rejected(packed_steps):
     store, root = packed_steps
-
-    def lie(body):
-        for node in body["nodes"]:
-            if node[0] == ["w"]:
-                node[2]["chunks"][0][5] += 4
-    rewrite_manifest(root, 20, lie)
+    edit_chunk(root, 20, "stored", lambda n: n + 4, key=("w",))
     with pytest.raises(CorruptCheckpointError, match="stores"):
         store.load(20)
 

@@ -31,6 +31,13 @@ def state_at(step, n=50_000, frozen=None):
     return s
 
 
+def save_and_upload(store, *steps):
+    """Save ``state_at(step)`` for each of ``steps``, then wait until the remote holds them all."""
+    for step in steps:
+        store.save(state_at(step), step)
+    store.wait_for_uploads()
+
+
 def remote_store(target, **kw):
     """A read-only view of the remote store itself (what another node would see)."""
     return Store(target.url, storage_options=target.storage_options, create=False, **kw)
@@ -62,9 +69,7 @@ def test_upload_then_resume_from_remote_after_local_loss(tmp_path, remote_url):
 def test_remote_blob_with_flipped_byte_is_detected_and_resume_falls_back(tmp_path, remote_url):
     local = tmp_path / "run"
     with Store(local, remote=remote_url.url, storage_options=remote_url.storage_options) as s:
-        s.save(state_at(1), 1)
-        s.save(state_at(2), 2)
-        s.wait_for_uploads()
+        save_and_upload(s, 1, 2)
         _, offset, _, ref = chunks_of_key(s, 2, ("w",))[0]
     blob_id = ref.pack or ref.blob_id                    # the object a pull verifies as a whole
     fs, root = fsspec.core.url_to_fs(remote_url.url, **remote_url.storage_options)
@@ -86,8 +91,7 @@ def test_remote_blob_with_flipped_byte_is_detected_and_resume_falls_back(tmp_pat
 def test_damaged_local_step_is_repaired_from_remote(tmp_path, remote_url):
     local = tmp_path / "run"
     with Store(local, remote=remote_url.url, storage_options=remote_url.storage_options) as s:
-        s.save(state_at(1), 1)
-        s.wait_for_uploads()
+        save_and_upload(s, 1)
     for blob in data_files(local):
         blob.write_bytes(b"garbage")
     with Store(local, remote=remote_url.url, storage_options=remote_url.storage_options) as s:
@@ -244,9 +248,7 @@ def test_load_path_components_then_own_checkpoints_win(tmp_path, remote_url):
 def test_load_path_full_state_and_explicit_step(tmp_path, remote_url):
     src = tmp_path / "src"
     with Store(src, remote=remote_url.url, storage_options=remote_url.storage_options) as s:
-        s.save(state_at(7), 7)
-        s.save(state_at(9), 9)
-        s.wait_for_uploads()
+        save_and_upload(s, 7, 9)
     state = {"w": None, "progress": None}
     with Store(tmp_path / "dst", load_path=f"{remote_url.url}/steps/7",
                storage_options=remote_url.storage_options) as s:

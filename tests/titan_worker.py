@@ -30,6 +30,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 
 from ckptstore.integrations.torchtitan import CkptstoreCheckpointManager
 from helpers import arm_kill_in_save
+from rank import finish, join, result
 
 VOCAB, DIM, SEQ = 64, 32, 16
 
@@ -94,8 +95,7 @@ def main():
                     help="rank 0 SIGKILLs itself inside the save of this step, before its commit marker")
     args = ap.parse_args()
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = join()
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     model = TinyLM()
@@ -146,9 +146,9 @@ def main():
                 f.write(json.dumps({"step": train_state.step, "loss": (t / world).item()}) + "\n")
         time.sleep(args.step_sleep)
     checkpointer.close()
-    print("RESULT " + json.dumps({"loaded": loaded, "start": start, "saved": saved,
-                                   "ntokens_seen": train_state.ntokens_seen}), flush=True)
-    dist.destroy_process_group()
+    result({"loaded": loaded, "start": start, "saved": saved,
+            "ntokens_seen": train_state.ntokens_seen})
+    finish()
 
 
 if __name__ == "__main__":

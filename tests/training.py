@@ -18,8 +18,12 @@ from typing import Dict, List, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train_lm.py"
-if str(REPO) not in sys.path:  # the checkout's package, also when pytest is run without -m from elsewhere
-    sys.path.insert(0, str(REPO))
+# the checkout's package (also when pytest is run without -m from elsewhere), and examples/ for the demo's log_lines
+for _p in (str(REPO), str(REPO / "examples")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from demo_kill_resume import log_lines  # noqa: E402,F401  (tests take it from here)
 
 # A small, fast configuration (~10-15 ms per step here). ckpt-every is not part of the run config.
 # 20 kB of corpus = 622 windows = 77 batches per epoch: the runs cross epoch boundaries (steps 77, 154).
@@ -123,14 +127,6 @@ def read_log(path: Path) -> Dict[int, List[float]]:
         rec = json.loads(line)  # one write() per line: a kill never leaves half a line
         out.setdefault(int(rec["step"]), []).append(rec["loss"])
     return out
-
-
-def log_lines(path: Path) -> int:
-    try:
-        with open(path, "rb") as f:
-            return f.read().count(b"\n")
-    except FileNotFoundError:
-        return 0
 
 
 def check_against_reference(log: Dict[int, List[float]], ref: Dict[int, float], steps: int) -> None:
