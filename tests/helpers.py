@@ -1,9 +1,47 @@
-"""Small helpers for tests that reach into a store's files on purpose (to damage them)."""
+"""Small helpers shared by the tests: reaching into a store's files on purpose (to damage them), comparing
+states bit for bit, running the command line, and where the shared scaffolding lives."""
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import msgpack
 
 from ckptstore import Store
+
+TESTS = Path(__file__).resolve().parent      # the shared scaffolding: worker scripts, proxies, fixtures/
+REPO = TESTS.parent
+
+
+def cli(*args, check=True):
+    """Run the ``ckptstore`` command (the installed console script, else ``python -m ckptstore.cli``) as a
+    real subprocess; raise with its output when ``check`` and it fails."""
+    exe = shutil.which("ckptstore", path=os.path.dirname(sys.executable)) or shutil.which("ckptstore")
+    cmd = [exe, *args] if exe else [sys.executable, "-m", "ckptstore.cli", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ, COLUMNS="200"))
+    if check and p.returncode != 0:
+        raise AssertionError(f"{args} exited {p.returncode}: {p.stdout}\n{p.stderr}")
+    return p
+
+
+def bits_equal(a, b) -> bool:
+    """``a`` and ``b`` hold the same values bit for bit (tensors and arrays by dtype, shape and bytes; dicts,
+    lists and tuples element by element; anything else by ``==`` and type)."""
+    import numpy as np
+    import torch
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)))
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(bits_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(bits_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.generic):
+        return type(a) is type(b) and a.tobytes() == b.tobytes()
+    return type(a) is type(b) and a == b
 
 
 def step_dir(root, step) -> Path:

@@ -1,24 +1,11 @@
 """The ``ckptstore`` command, run as a real subprocess (the installed console script)."""
 import json
-import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from ckptstore import Store
-from helpers import chunks_of_key, flip_byte
-
-
-def cli(*args, check=True):
-    exe = shutil.which("ckptstore", path=os.path.dirname(sys.executable)) or shutil.which("ckptstore")
-    cmd = [exe, *args] if exe else [sys.executable, "-m", "ckptstore.cli", *args]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ, COLUMNS="200"))
-    if check and p.returncode != 0:
-        raise AssertionError(f"{args} exited {p.returncode}: {p.stdout}\n{p.stderr}")
-    return p
+from helpers import chunks_of_key, cli, flip_byte
 
 
 @pytest.fixture

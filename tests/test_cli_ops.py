@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from ckptstore import Packing, Store, Writing
-from helpers import blob_files, rewrite_manifest, step_dir
-from test_cli import cli
+from helpers import blob_files, cli, rewrite_manifest, step_dir
 
 BLOBS = Packing(threshold=0)
 

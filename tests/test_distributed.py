@@ -16,8 +16,7 @@ import torch.utils._pytree as pytree
 
 from ckptstore import Store
 from dist import Job, run
-from helpers import data_files, rewrite_frame, step_dir
-from test_cli import cli
+from helpers import cli, data_files, rewrite_frame, step_dir
 
 
 def full(path: Path):

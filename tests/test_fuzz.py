@@ -32,6 +32,7 @@ import time
 import traceback
 from pathlib import Path
 from ckptstore import Writing
+from helpers import bits_equal
 
 CASE_SECONDS = 10
 CASES = int(os.environ.get("CKPTSTORE_FUZZ_CASES", "250"))     # raise it to explore more (e.g. 1500)
@@ -99,23 +100,6 @@ def build_template(root: Path):
 def _chunk_file(c):
     from ckptstore.format.layout import blob_path, pack_path
     return pack_path(c.pack) if c.pack is not None else blob_path(c.blob_id, c.codec)
-
-
-def bits_equal(a, b) -> bool:
-    import numpy as np
-    import torch
-    if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a.view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)))
-    if isinstance(a, np.ndarray):
-        return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(bits_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(bits_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, np.generic):
-        return type(a) is type(b) and a.tobytes() == b.tobytes()
-    return type(a) is type(b) and a == b
 
 
 # -- frames ---------------------------------------------------------------------------------------------------

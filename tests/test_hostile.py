@@ -22,8 +22,7 @@ import torch
 from ckptstore import (IncompatibleCheckpointError, CheckpointError, CorruptCheckpointError, Packing, Store,
                        UploadError, Remote, Retention, Writing)
 from ckptstore.util.retry import RetryPolicy
-from helpers import blobs_of_key, chunks_of_key, flip_byte, rewrite_frame, rewrite_manifest, step_dir
-from test_cli import cli
+from helpers import blobs_of_key, chunks_of_key, cli, flip_byte, rewrite_frame, rewrite_manifest, step_dir
 
 BLOBS = Packing(threshold=0)
 SHARED = torch.arange(4096, dtype=torch.float32)

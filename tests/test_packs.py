@@ -13,26 +13,11 @@ from ckptstore.format.packs import coalesce, plan_packs, ReadItem
 from ckptstore.format.manifest import ChunkRef
 from ckptstore.state.flatten import TORCH_DTYPES
 from fixture_v1 import fixture_state
-from helpers import (CHUNK_FIELDS, blob_files, chunks_of_key, data_files, edit_chunk, flip_byte, pack_files,
-                     rewrite_manifest, step_dir)
+from helpers import (CHUNK_FIELDS, bits_equal, blob_files, chunks_of_key, edit_chunk, flip_byte, pack_files,
+                     rewrite_manifest)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "v1_store"
 SMALL = Packing(threshold=64 << 10, target_size=256 << 10)      # small sizes so tests span several packs
-
-
-def bits_equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return (a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)))
-    if isinstance(a, np.ndarray):
-        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(bits_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(bits_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, np.generic):
-        return type(a) is type(b) and a.tobytes() == b.tobytes()
-    return a == b and type(a) is type(b)
 
 
 def many_small(n=300, seed=0, lo=1, hi=3000):

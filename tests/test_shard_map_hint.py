@@ -17,8 +17,7 @@ from ckptstore.format.blobs import digest_bytes
 from ckptstore.format.layout import shards_path
 from ckptstore.format.manifest import frame
 from ckptstore.format.shardmap import key_hash
-from helpers import rewrite_frame, rewrite_manifest, step_dir
-from test_fuzz import bits_equal
+from helpers import bits_equal, rewrite_frame, rewrite_manifest, step_dir
 
 STEP = 2
 FALLBACK = "reading every"          # both fallback messages: unusable map, ranks that do not cover
