@@ -1,7 +1,7 @@
 """An accelerate training loop checkpointed with ckptstore (the recipe of ckptstore.integrations.accelerate), run
-by tests/test_integration_accelerate.py: a model with dropout, torch's default AdamW, a LinearLR scheduler, a
-shuffled DataLoader (accelerate's seedable sampler) crossing epoch boundaries, a non-blocking save every step.
-One process, or N ranks launched like torchrun (accelerate then runs DDP over gloo on CPU).
+by tests/integrations/test_integration_accelerate.py: a model with dropout, torch's default AdamW, a LinearLR
+scheduler, a shuffled DataLoader (accelerate's seedable sampler) crossing epoch boundaries, a non-blocking save every
+step. One process, or N ranks launched like torchrun (accelerate then runs DDP over gloo on CPU).
 
 Rank 0 appends ``{"step", "loss"}`` lines to ``--log`` after each step's save returned; the last stdout line is
 ``RESULT {json}``.

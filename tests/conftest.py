@@ -1,6 +1,13 @@
-"""Shared fixtures: the loopback S3 (moto) and GCS (fake-gcs-server) servers come from backends/."""
+"""Shared fixtures: the loopback S3 (moto) and GCS (fake-gcs-server) servers come from backends/.
+
+The tests sit in one folder per layer of the package (tests/format/, tests/distributed/, ...); the scaffolding
+they share (helpers, dist, the proxies, the worker scripts, training, fixtures/) stays here in tests/, which
+pyproject's ``pythonpath`` puts on sys.path. A few test modules import another one's helpers by module name
+(test_pull, test_distributed, test_memory_tier, test_fuzz): every test folder is on sys.path too."""
 import os
 import statistics
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -9,6 +16,10 @@ from training import _SAVED, N_REF, Child, read_log
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
 pytest_plugins = ["backends.pytest_plugin"]
+
+for _d in sorted(Path(__file__).resolve().parent.iterdir()):
+    if _d.is_dir() and any(_d.glob("test_*.py")) and str(_d) not in sys.path:
+        sys.path.append(str(_d))
 
 
 @pytest.fixture(scope="session")

@@ -150,7 +150,7 @@ def mark(endpoint: str, name: str) -> None:
         r.read()
 
 
-# -- jobs whose requests are counted (tests/test_request_budget.py, benchmarks/bench_requests.py) -------------------
+# -- jobs whose requests are counted (tests/remote/test_request_budget.py, benchmarks/bench_requests.py) -------------
 def run_job(world: int, *args: str, timeout: float = 240) -> dict:
     """Run ``tests/request_worker.py`` as ``world`` ranks with tests/dist.py (launched like torchrun, gloo on
     127.0.0.1); fails with their output when one fails. Returns rank 0's ``RESULT`` dict."""

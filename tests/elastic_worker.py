@@ -1,5 +1,5 @@
 """One rank of a small DDP job reading its data through ``ckptstore.ElasticSampler``, launched like torchrun by
-tests/dist.py (``Job(..., script=WORKER)``); used by tests/test_elastic_data.py.
+tests/dist.py (``Job(..., script=WORKER)``); used by tests/state/test_elastic_data.py.
 
 It resumes from ``--store`` (whatever world size saved it), trains a linear model on a ``TensorDataset`` whose
 first column is the sample's index, saves every ``--save-every`` steps with the sampler in the state, and

@@ -1,5 +1,5 @@
-"""A real HF ``Trainer`` run on CPU for tests/test_integration_hf.py: a tiny GPT-2 from a config (dropout on),
-random tokens, the default optimizer (fused AdamW), ``CkptstoreTrainer`` (or the plain ``Trainer`` with
+"""A real HF ``Trainer`` run on CPU for tests/integrations/test_integration_hf.py: a tiny GPT-2 from a config
+(dropout on), random tokens, the default optimizer (fused AdamW), ``CkptstoreTrainer`` (or the plain ``Trainer`` with
 ``--plain``). One process, or one rank of a DDP job launched like torchrun (tests/dist.py sets RANK,
 WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT; accelerate then runs gloo).
 

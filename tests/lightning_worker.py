@@ -1,5 +1,6 @@
-"""A tiny Lightning training run on ckptstore, run as a subprocess by tests/test_integration_lightning.py (one process,
-or one rank of a job launched like torchrun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT).
+"""A tiny Lightning training run on ckptstore, run as a subprocess by
+tests/integrations/test_integration_lightning.py (one process, or one rank of a job launched like torchrun: RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT).
 
 A LightningModule with dropout, random data, a torchdata ``StatefulDataLoader(shuffle=True)`` (resumable mid-epoch),
 ``torch.optim.AdamW`` with its defaults, ``ModelCheckpoint(every_n_train_steps=2, save_top_k=2, monitor="train_loss",

@@ -1,5 +1,5 @@
 """One rank of a tiny data-parallel job saving to the memory tier (issue 20), launched like torchrun by
-tests/test_memory_tier.py through tests/dist.py (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT).
+tests/memtier/test_memory_tier.py through tests/dist.py (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT).
 
 Every rank holds the same ``nn.Linear(64, 64)`` wrapped in DDP (gloo) with AdamW, draws its batch from a
 per-rank dataset at a data position (a plain int in the state) plus noise from the global RNG (saved per rank

@@ -1,6 +1,6 @@
 """One rank of a tiny job that saves to / resumes from a loopback S3 remote through the request-counting proxy
 (tests/countproxy.py), launched like torchrun (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT) by
-tests/test_request_budget.py and benchmarks/bench_requests.py.
+tests/remote/test_request_budget.py and benchmarks/bench_requests.py.
 
 ``--store`` may hold ``{node}`` (= rank // ``--per-node``): node-local roots shared by the ranks of one "node".
 State per rank: ``w`` (1 KiB, different on every rank and every step: new bytes at each save) and ``shared``

@@ -9,8 +9,8 @@ the function ``Store.save`` runs, whose marker and shard map land in memory (``S
 run it too (``full=True``), or, to simulate thousands of ranks on one machine, send the part it computes for
 them (the parts of a sample of ranks are computed from real manifests and checked equal in layout).
 
-Used by ``tests/test_agreement_scale.py`` (256 ranks, in ``make test``) and ``benchmarks/bench_agreement.py``
-(64 ... 10,000 ranks, by hand).
+Used by ``tests/distributed/test_agreement_scale.py`` (256 ranks, in ``make test``) and
+``benchmarks/bench_agreement.py`` (64 ... 10,000 ranks, by hand).
 """
 from __future__ import annotations
 

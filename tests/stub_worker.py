@@ -1,4 +1,4 @@
-"""A process that writes ckptstore Lightning stubs, for tests/test_integration_lightning.py.
+"""A process that writes ckptstore Lightning stubs, for tests/integrations/test_integration_lightning.py.
 
 ``python stub_worker.py MODE ROOT [PATH STEP]``:
 

@@ -1,6 +1,6 @@
 """One rank of a small torchtitan-style training job on CPU/gloo, checkpointed by
 ``ckptstore.integrations.torchtitan.CkptstoreCheckpointManager``; launched like torchrun by
-tests/test_integration_torchtitan.py.
+tests/integrations/test_integration_torchtitan.py.
 
 It drives the manager exactly as torchtitan's ``Trainer.train()`` does: ``load(step=load_step)`` first, then per
 step ``maybe_wait_for_staging()`` before ``optimizers.step()`` and ``save(step, last_step=step == steps)``, then

@@ -16,7 +16,7 @@ steady-state save of a state whose ranks each write new bytes:
 * ``6``: rank 0's shard map, commit marker and latest pointer (GET + conditional PUT), and slack of 2.
 
 Rank 0 no longer reads the other ranks' manifests back: a step whose prefix did not exist when its uploader
-listed the remote is trusted from one listing with sizes (tests/test_request_budget.py checks the count;
+listed the remote is trusted from one listing with sizes (tests/remote/test_request_budget.py checks the count;
 the argument is in StepCopier._await_other_parts). Resume discovery (rank 0 only, its answer broadcast): the
 latest pointer (GET), its commit marker (HEAD), the step directories after it (one LIST from ``StartAfter``);
 rank 0's uploader start does the same once more. The LIST count of a resume grows with neither the number of
@@ -25,12 +25,9 @@ ranks nor of steps, and no other rank lists the bucket.
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from countproxy import CountingProxy, measure  # noqa: E402
 
 pytestmark = pytest.mark.remote
@@ -101,7 +98,7 @@ def test_resume_lists_the_same_whatever_the_number_of_steps(tmp_path, s3_bucket_
     assert discovery(six)[0] <= 2
 
 
-@pytest.mark.parametrize("status", [429])     # 503 SlowDown: tests/test_network_faults.py's fates
+@pytest.mark.parametrize("status", [429])     # 503 SlowDown: tests/remote/test_network_faults.py's fates
 def test_throttled_requests_are_retried_with_backoff_and_the_upload_completes(tmp_path, s3_bucket_url, status):
     """While a third of the connections are answered ``503 SlowDown`` (S3's throttling) or ``429 Too Many
     Requests`` (GCS's, some S3-compatible servers'), saves still reach the remote and a fresh disk resumes the

@@ -27,10 +27,9 @@ import pytest
 pytest.importorskip("torchtitan", reason="needs the torchtitan extra (pip install 'ckptstore[torchtitan]')")
 
 from ckptstore import Store  # noqa: E402
-from helpers import read_losses  # noqa: E402
+from helpers import REPO, TESTS, read_losses  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).resolve().parent / "titan_worker.py"
+WORKER = TESTS / "titan_worker.py"
 STEPS = 10
 
 

@@ -11,7 +11,6 @@ import sys
 import textwrap
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,10 +20,10 @@ from ckptstore.lifecycle import lease as lease_mod
 from ckptstore.format.catalog import Catalog
 from ckptstore.format.layout import GC_LEASE, INFLIGHT, WRITER_LEASE
 from ckptstore.storage import LocalStorage
-from helpers import blob_files, data_files
+from helpers import REPO, blob_files, data_files
 
 SMALL = Packing(threshold=64 << 10, target_size=1 << 20)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 

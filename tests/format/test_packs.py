@@ -13,10 +13,10 @@ from ckptstore.format.packs import coalesce, plan_packs, ReadItem
 from ckptstore.format.manifest import ChunkRef
 from ckptstore.state.flatten import TORCH_DTYPES
 from fixture_v1 import fixture_state
-from helpers import (CHUNK_FIELDS, bits_equal, blob_files, chunks_of_key, edit_chunk, flip_byte, pack_files,
+from helpers import (CHUNK_FIELDS, TESTS, bits_equal, blob_files, chunks_of_key, edit_chunk, flip_byte, pack_files,
                      rewrite_manifest)
 
-FIXTURE = Path(__file__).parent / "fixtures" / "v1_store"
+FIXTURE = TESTS / "fixtures" / "v1_store"
 SMALL = Packing(threshold=64 << 10, target_size=256 << 10)      # small sizes so tests span several packs
 
 

@@ -9,16 +9,15 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 import backends.launcher as launcher
+from helpers import REPO
 
 # fixtures come from tests/conftest.py (backends.pytest_plugin)  # harmless if tests/conftest.py loads it too
 
 fsspec = pytest.importorskip("fsspec")
-REPO = Path(__file__).resolve().parents[1]
 
 
 def require_restart(server) -> None:

@@ -8,7 +8,6 @@ trained on; the epoch's indices over the saved part of the first run and the who
 ``range(n)``. The in-process tests check the sampler's own arithmetic and its state checks.
 """
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +16,9 @@ from ckptstore import ElasticSampler, IncompatibleCheckpointError, Store
 from ckptstore.state.data import SamplerMismatchError
 
 from dist import Job
+from helpers import TESTS
 
-WORKER = Path(__file__).resolve().parent / "elastic_worker.py"
+WORKER = TESTS / "elastic_worker.py"
 N, B = 70, 4
 
 

@@ -22,8 +22,9 @@ from ckptstore.format.manifest import ARRAY_KINDS
 from ckptstore.storage import open_storage
 from ckptstore.storage.local import filesystem_type
 from dist import Job
+from helpers import TESTS
 
-WORKER = Path(__file__).resolve().parent / "read_once_worker.py"
+WORKER = TESTS / "read_once_worker.py"
 
 
 def run(world: int, *args: str):

@@ -25,12 +25,12 @@ from typing import Dict, List
 
 import pytest
 import torch
+from helpers import REPO, TESTS
 
 pytest.importorskip("lightning")
 pytest.importorskip("torchdata.stateful_dataloader")
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).resolve().parent / "lightning_worker.py"
+WORKER = TESTS / "lightning_worker.py"
 STEPS = 12
 _SAVING = re.compile(r"^saving step (\d+)$")
 
@@ -367,7 +367,7 @@ def test_non_blocking_saves_write_their_stubs_once_committed(tmp_path):
     io.teardown()
 
 
-STUB_WORKER = Path(__file__).resolve().parent / "stub_worker.py"
+STUB_WORKER = TESTS / "stub_worker.py"
 
 
 def _stub_proc(*args: str, stdin=None) -> subprocess.Popen:

@@ -22,7 +22,7 @@ import torch
 from ckptstore import (IncompatibleCheckpointError, CheckpointError, CorruptCheckpointError, Packing, Store,
                        UploadError, Remote, Retention, Writing)
 from ckptstore.util.retry import RetryPolicy
-from helpers import blobs_of_key, chunks_of_key, cli, flip_byte, rewrite_frame, rewrite_manifest, step_dir
+from helpers import TESTS, blobs_of_key, chunks_of_key, cli, flip_byte, rewrite_frame, rewrite_manifest, step_dir
 
 BLOBS = Packing(threshold=0)
 SHARED = torch.arange(4096, dtype=torch.float32)
@@ -296,7 +296,7 @@ BOUNDED = textwrap.dedent(r"""
 def test_zstd_bomb_and_huge_chunk_stay_within_bounded_memory(tmp_path):
     """Under a 3 GiB address-space limit: a 4 GiB bomb is refused (not decompressed whole), verify streams a
     legitimately 4 GiB chunk (and finds it intact), load of that step fails cleanly, resume falls back."""
-    p = subprocess.run([sys.executable, "-c", BOUNDED, str(tmp_path / "s"), str(Path(__file__).parent)],
+    p = subprocess.run([sys.executable, "-c", BOUNDED, str(tmp_path / "s"), str(TESTS)],
                        capture_output=True, text=True, timeout=280,
                        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert p.returncode == 0, p.stderr[-3000:]

@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from ckptstore import CheckpointError, Packing, Store, Writing
+from helpers import TESTS
 
-LAZYFS = Path(__file__).with_name("lazyfs.py")
+LAZYFS = TESTS / "lazyfs.py"
 PACKING = Packing(threshold=64 << 10)          # "w" and "frozen" are blobs; the rest go into packs
 STEPS = (1, 2, 3)
 POINTS = int(os.environ.get("CKPTSTORE_POWERLOSS_POINTS", "24"))

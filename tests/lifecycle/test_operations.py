@@ -24,9 +24,8 @@ from ckptstore.lifecycle import retention
 from ckptstore.lifecycle.retention import AnyOf, BestN, EveryNSteps, LatestN, StepInfo, best_step
 from ckptstore.storage import open_storage
 from ckptstore.remote.transfer import StepCopier
-from helpers import data_files
+from helpers import REPO, data_files
 
-REPO = Path(__file__).resolve().parents[1]
 SMALL = Packing(threshold=1 << 16, target_size=1 << 20)
 
 
@@ -65,7 +64,7 @@ SAVER = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     import torch
     from ckptstore import Remote, Retention, Store, Writing
-    sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+    sys.path[:0] = [os.path.join(sys.argv[1], "tests"), os.path.join(sys.argv[1], "tests", "lifecycle")]
     from test_operations import loss, state_at, SMALL
     root, remote, opts, first, last, keep, how = sys.argv[2:9]
     kw = dict(keep=Retention(**json.loads(keep)) if keep != "null" else None, writing=Writing(packing=SMALL))
@@ -451,7 +450,7 @@ PLAN = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     import torch
     from ckptstore import Remote, Store, Writing
-    sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+    sys.path[:0] = [os.path.join(sys.argv[1], "tests"), os.path.join(sys.argv[1], "tests", "lifecycle")]
     from test_operations import SMALL, planned_state
     root, remote, opts, plan = sys.argv[2:6]
     s = Store(root, writing=Writing(packing=SMALL), remote=Remote(remote), storage_options=json.loads(opts))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -27,14 +26,13 @@ from ckptstore.format.pointers import decode_pointer
 from ckptstore.storage import open_storage
 from ckptstore.remote.upload import truncate_steps
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dist import Job  # noqa: E402
-from helpers import blobs_of_key  # noqa: E402
+from helpers import TESTS, blobs_of_key  # noqa: E402
 from test_memory_tier import read_losses, tmpfs_dirs, wipe_mount  # noqa: E402,F401  (tmpfs_dirs: a fixture)
 from training import check_against_reference  # noqa: E402
 
 SMALL = Packing(threshold=1 << 16, target_size=1 << 20)
-WORKER = Path(__file__).resolve().parent / "memtier_worker.py"
+WORKER = TESTS / "memtier_worker.py"
 
 
 def state_at(step):

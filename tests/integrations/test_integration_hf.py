@@ -19,9 +19,9 @@ import pytest
 pytest.importorskip("transformers")
 
 from dist import Job, free_port  # noqa: E402
+from helpers import REPO, TESTS  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).resolve().parent / "hf_worker.py"
+WORKER = TESTS / "hf_worker.py"
 STEPS, SAVE = 12, 2
 SAVED = list(range(SAVE, STEPS + 1, SAVE))
 

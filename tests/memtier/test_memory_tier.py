@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -22,12 +21,12 @@ from typing import Dict, List
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from countproxy import CountingProxy  # noqa: E402
 from dist import Job  # noqa: E402
 from training import check_against_reference  # noqa: E402
+from helpers import TESTS  # noqa: E402
 
-WORKER = Path(__file__).resolve().parent / "memtier_worker.py"
+WORKER = TESTS / "memtier_worker.py"
 STEPS, KILL_AFTER = 10, 7
 pytestmark = pytest.mark.slow
 

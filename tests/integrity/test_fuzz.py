@@ -14,7 +14,7 @@ load bit-exactly and verify, ``resume`` must return 10 or 20 (never a fresh star
 state must be step 10's. The loop runs in a subprocess under ``RLIMIT_AS`` (3 GiB), so an unbounded
 allocation shows up as a failure rather than as a swapping machine.
 
-Run directly for the counts: ``python tests/test_fuzz.py --cases 400 --seed 1``.
+Run directly for the counts: ``python tests/integrity/test_fuzz.py --cases 400 --seed 1``.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import time
 import traceback
 from pathlib import Path
 from ckptstore import Writing
-from helpers import bits_equal
+from helpers import REPO, TESTS, bits_equal
 
 CASE_SECONDS = 10
 CASES = int(os.environ.get("CKPTSTORE_FUZZ_CASES", "250"))     # raise it to explore more (e.g. 1500)
@@ -501,7 +501,7 @@ def worker(cases: int, seed: int, budget: float, out: Path) -> None:
 def run_fuzz(cases: int, seed: int, budget: float) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "result.json"
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent.parent),
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS),
                                                          os.environ.get("PYTHONPATH", "")]),
                    OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         p = subprocess.run([sys.executable, __file__, "--worker", "--cases", str(cases), "--seed", str(seed),

@@ -8,17 +8,16 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from ckptstore import Packing, Store, Writing
 from ckptstore.format.packs import ReadItem, read_chunks
-from helpers import pack_files
+from helpers import REPO, pack_files
 
 SMALL = Packing(threshold=64 << 10, target_size=1 << 20)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 N = 60
 

@@ -19,10 +19,9 @@ import pytest
 pytest.importorskip("accelerate", reason="needs the accelerate extra (pip install 'ckptstore[accelerate]')")
 
 from ckptstore import Store  # noqa: E402
-from helpers import read_losses  # noqa: E402
+from helpers import REPO, TESTS, read_losses  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = Path(__file__).resolve().parent / "accel_train.py"
+SCRIPT = TESTS / "accel_train.py"
 STEPS = 24       # 10 batches per epoch: the runs cross two epoch boundaries
 
 
