@@ -85,17 +85,25 @@ class Loader:
         return self._listing(Catalog(p.remote_storage, p.decoded) if p.remote_storage else None)[0]
 
     def _listing(self, remote_catalog: Optional[Catalog], newest_only: bool = False) -> Tuple[List[Tier], bool]:
-        """``(candidates newest first, remote reachable)`` (:func:`ckptstore.remote.resolve.candidates`); an unreachable
-        remote is logged and the local steps alone are listed: it must not block a local resume."""
+        """``(candidates newest first, remote reachable)`` (:func:`ckptstore.remote.resolve.candidates`). The
+        remote is listed in ONE attempt while local steps exist: an unreachable remote is logged and the local
+        steps alone are listed (it must not hold up a local resume for the whole deadline). With no local
+        step, the listing is retried for the retry policy's whole deadline and, failing that, raises
+        :class:`~ckptstore.util.errors.TransferError`: the remote may hold the run's steps, so resume never
+        starts the run fresh because the remote could not be listed (README "Resume order")."""
+        def listing():
+            return list(candidates(self.p.catalog, remote_catalog, newest_only=newest_only))
         try:
-            return self._listed_once(lambda: list(candidates(self.p.catalog, remote_catalog,
-                                                             newest_only=newest_only))), True
+            return self._listed_once(listing), True
         except Exception as e:
             if remote_catalog is None:
                 raise
+            local = [(s, "local") for s in reversed(self.p.catalog.committed_steps())]
+            if not local:
+                return self._listed_within_deadline(listing), True
             log.warning("remote %s unreachable (%s: %s): local steps only", self.p.remote_storage.url,
                         type(e).__name__, e)
-            return [(s, "local") for s in reversed(self.p.catalog.committed_steps())], False
+            return local, False
 
     def _listed_once(self, fn: Callable[[], T]) -> T:
         """``fn()``, which lists the remote, as ONE attempt abandoned after the retry policy's ``op_timeout``
@@ -105,6 +113,24 @@ class Loader:
         if not isinstance(remote, RetryingStorage):
             return fn()
         return remote.call(fn, f"list the steps of {remote.url}", attempts=1)
+
+    def _listed_within_deadline(self, fn: Callable[[], T]) -> T:
+        """``fn()``, which lists the remote, retried for the retry policy's deadline (counted from the start of
+        the outage); raises :class:`~ckptstore.util.errors.TransferError` naming the remote when it never
+        answers, or at once when it refuses (e.g. denied credentials)."""
+        remote = self.p.remote_storage
+        try:
+            if not isinstance(remote, RetryingStorage):
+                return fn()
+            return remote.call(fn, f"list the steps of {remote.url}")
+        except Exception as e:
+            raise self._unlisted(e) from e
+
+    def _unlisted(self, e: BaseException) -> TransferError:
+        return TransferError(f"cannot list the steps of the remote {self.p.remote_storage.url} ({type(e).__name__}: "
+                             f"{e}), and no local step of {self.p.root} loads: resume does not start the run "
+                             "fresh while the remote may hold its steps; run it again once the object store "
+                             "answers (or open the store without its remote to start fresh)")
 
     def find(self, name: str) -> Optional[int]:
         for s, tier in self.candidates():
@@ -347,6 +373,7 @@ class Loader:
         self.read_once.stats = None
         remote_catalog = Catalog(p.remote_storage, p.decoded) if p.remote_storage is not None else None
         pulled: set = set()
+        unreachable: List[Catalog] = []               # the remote's catalog, once its listing gave up
 
         def list_candidates(newest_only=True):
             nonlocal remote_catalog
@@ -355,8 +382,14 @@ class Loader:
                 return [(step, tier)] if tier is not None else []
             # discovery (rank 0 only, broadcast): the remote's latest pointer and the steps after it, a few
             # requests whatever the number of steps and ranks (issue 19); the whole listing only if none loads
+            if unreachable:              # every local step failed and the remote's listing gave up: list it
+                listed = self._listed_within_deadline(   # for the whole deadline, or raise TransferError
+                    lambda: list(candidates(p.catalog, unreachable[0])))
+                remote_catalog = unreachable.pop()
+                return listed
             listed, reachable = self._listing(remote_catalog, newest_only=newest_only)
             if not reachable:
+                unreachable.append(remote_catalog)
                 remote_catalog = None                 # no repairs from an unreachable remote either
             elif remote_catalog is not None and listed:          # newest first
                 self._listed_upto = max(listed[0][0], -1 if self._listed_upto is None else self._listed_upto)
