@@ -75,6 +75,8 @@ def main():
     ap.add_argument("--die-rank", type=int, default=3)
     ap.add_argument("--mark", default="")
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--resume-by", choices=["resume", "resolve"], default="resume",
+                    help="Store.resume, or Store.resolve then Store.restore of that step (the trainers' way)")
     ap.add_argument("--replicas", type=int, default=1)
     args = ap.parse_args()
 
@@ -107,7 +109,11 @@ def main():
                                                 timeout=args.timeout)
     store = Store(disk, rank=rank, world_size=world, remote=remote, storage_options=json.loads(args.so),
                   keep=Retention(last=2), collective_timeout=args.collective_timeout, memory=memory)
-    start = store.resume(state) or 0
+    if args.resume_by == "resolve":                 # as the HF and torchtitan adapters do: choose, then restore
+        found = store.resolve()
+        start = store.restore(state, found[0]) if found is not None else 0
+    else:
+        start = store.resume(state) or 0
     out = {"rank": rank, "resumed": start, "resumed_from": store.resumed_from, "pos": state["pos"]}
     print(f"rank {rank} resumed from {start}: {store.resumed_from}", flush=True)
     dist.barrier()

@@ -60,6 +60,8 @@ class Loader:
         # rank 0, during a resume: the newest step its candidate listing saw when that listing reached the remote
         # (None: no remote, or unreachable); the remote's steps above it were never tried, and are left alone
         self._listed_upto: Optional[int] = None
+        # the step resolve() chose, and the newest remote step its listing saw (for restore's set-aside)
+        self._resolved: Optional[Tuple[int, Optional[int]]] = None
 
     # -- listing and choosing -----------------------------------------------------------------------------
     def remote_reader(self) -> Tuple[Catalog, BlobStore]:
@@ -172,7 +174,13 @@ class Loader:
         return _retention.best_step(commits.values(), metric=metric, mode=mode)
 
     def resolve(self) -> Optional[Tuple[Optional[int], str]]:
+        """See :meth:`Store.resolve <ckptstore.store.Store.resolve>`. The run's steps are judged by every rank
+        against its own root (its manifest there, else the remote's copy) and agreed as resume agrees
+        (:func:`~ckptstore.distributed.resume.first_valid_step`): a step that some node's disk lacks is not
+        chosen for the whole job. The answer is remembered: :meth:`restore` of that step then sets aside the
+        newer steps it skipped, as :meth:`resume` does."""
         p = self.p
+        self._resolved = None
 
         def usable(s, tier) -> bool:
             try:
@@ -185,23 +193,43 @@ class Loader:
             except TransferError:
                 raise                 # unread, not damaged: never an older step instead (README "Resume order")
             except CheckpointError as e:
-                log.warning("step %d (%s) is not usable: %s", s, tier, e)
+                log.warning("step %d (%s) is not usable on rank %d: %s", s, tier, p.rank, e)
                 return False
 
+        def check(s, tier) -> str:
+            if usable(s, tier):
+                return tier
+            if tier == "local" and p.remote_storage is not None and usable(s, "remote"):
+                return "remote"                   # resume repairs a damaged local step from the remote
+            raise CorruptCheckpointError(f"not usable on rank {p.rank}", step=s)
+        listed: List[int] = []
+
+        def listing() -> List[Tier]:
+            found = self.candidates()
+            listed.extend(s for s, tier in found if tier == "remote")
+            return found
+        found = first_valid_step(listing, check, coord=p.coord, timeout=p.collective_timeout,
+                                 tag=p.coord.next_tag("resolve") if p.coord is not None else None)
+        if found is not None:
+            self._resolved = (found[0], max(listed) if listed else None)
+            return found
+        return self._resolve_load_path()
+
+    def _resolve_load_path(self) -> Optional[Tuple[Optional[int], str]]:
+        """``(step, "load_path")`` (``step`` ``None`` for Hub-format weights) or ``None``: decided by rank 0 and
+        broadcast."""
+        p = self.p
+
         def decide():
-            for s, tier in self.candidates():
-                if usable(s, tier):
-                    return [s, tier]
-                if tier == "local" and p.remote_storage is not None and usable(s, "remote"):
-                    return [s, "remote"]          # resume repairs a damaged local step from the remote
-            if self.load_path is not None:
-                url, step = split_load_path(self.load_path)
-                if step is None and hub.open_weights(url, p.storage_options) is not None:
-                    return [None, "load_path"]
-                catalog = Catalog(open_storage(url, p.storage_options, retry=p.retry))
-                for s in ([step] if step is not None else reversed(catalog.committed_steps())):
-                    if quiet(lambda: catalog.read_commit(s) is not None):
-                        return [s, "load_path"]
+            if self.load_path is None:
+                return None
+            url, step = split_load_path(self.load_path)
+            if step is None and hub.open_weights(url, p.storage_options) is not None:
+                return [None, "load_path"]
+            catalog = Catalog(open_storage(url, p.storage_options, retry=p.retry))
+            for s in ([step] if step is not None else reversed(catalog.committed_steps())):
+                if quiet(lambda: catalog.read_commit(s) is not None):
+                    return [s, "load_path"]
             return None
         if p.coord is None:
             found = decide()
@@ -277,6 +305,12 @@ class Loader:
         if found is None:
             raise FileNotFoundError(f"step {step} is not committed in {self.p.where()}" if step is not None else
                                     f"no valid committed step in {self.p.where()}")
+        resolved, self._resolved = self._resolved, None
+        if resolved is not None and resolved[0] == found[0]:
+            # the step resolve() chose for this run (a trainer's resume: resolve, then restore in stages):
+            # the newer steps it skipped load on no rank, so they are set aside as resume sets them aside
+            self._listed_upto = resolved[1]
+            self.set_aside_newer(found[0])
         return found[0]
 
     def resume(self, state: MutableMapping[str, Any], *, strict: bool, rank_local: str) -> Optional[int]:
