@@ -89,6 +89,15 @@ class Memory:
         return n
 
 
+def check_memory_option(memory, read_only: bool) -> None:
+    """``Store(memory=)`` checked before anything is opened: ``None`` or a :class:`Memory` (else ``TypeError``),
+    and not with ``read_only`` (``ValueError``: the memory tier is for a store that saves)."""
+    if memory is not None and not isinstance(memory, Memory):
+        raise TypeError(f"memory must be a ckptstore.Memory, got {type(memory).__name__}")
+    if memory is not None and read_only:
+        raise ValueError("memory= is for a store that saves: not with read_only=True")
+
+
 def root_usage(path: str) -> int:
     """Bytes of the regular files under ``path`` (not following links)."""
     total = 0
