@@ -23,7 +23,7 @@ from ..distributed.fanout import PeerReadError, ReadOnce
 from ..format.layout import check_step, manifest_path
 from ..format.manifest import Commit
 from .parts import Parts, quiet
-from ..format.pointers import point_away_from
+from ..format.pointers import point_away_from, read_latest
 from ..io.reader import MapLocation, read_nodes
 from ..remote.resolve import candidates, split_load_path
 from ..io.restore import StepLoader
@@ -133,6 +133,14 @@ class Loader:
                              f"{e}), and no local step of {self.p.root} loads: resume does not start the run "
                              "fresh while the remote may hold its steps; run it again once the object store "
                              "answers (or open the store without its remote to start fresh)")
+
+    def latest_step(self) -> Optional[int]:
+        """The newest local committed step, or ``None`` (see :meth:`ckptstore.store.Store.latest_step`)."""
+        steps = self.p.catalog.committed_steps()
+        pointed = read_latest(self.p.storage)
+        if pointed is not None and pointed in steps and pointed == steps[-1]:
+            return pointed
+        return steps[-1] if steps else None
 
     def find(self, name: str) -> Optional[int]:
         for s, tier in self.candidates():
