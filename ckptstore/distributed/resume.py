@@ -1,7 +1,7 @@
 """Resume: which step a run continues from (agreed by every rank), and how a step's values reach ``state``.
 
-Two small pieces, kept apart from :class:`~ckptstore.orchestration.loading.Loader` (which wires them to a store's catalogs,
-pulls and pools):
+Two small pieces, kept apart from :class:`~ckptstore.orchestration.loading.Loader` (which wires them to a store's
+catalogs, pulls and pools):
 
 * :func:`first_valid_step` walks the candidate steps newest first (:func:`ckptstore.remote.resolve.candidates`: local,
   then remote). Under ``torch.distributed`` discovery happens once: rank 0 finds the candidates (the remote's

@@ -13,8 +13,8 @@ going back to older values, which training does not do. Bounding the index this 
 trusts: it never deduplicates against a chunk that no committed step it has seen references (gc may delete
 such orphans), and before every save it re-checks that the packs it will reference exist.
 
-Large chunks (blobs of their own) are also found by name in ``objects/`` (see :class:`ckptstore.format.blobs.BlobStore`),
-which is how replicated ranks share them.
+Large chunks (blobs of their own) are also found by name in ``objects/`` (see
+:class:`ckptstore.format.blobs.BlobStore`), which is how replicated ranks share them.
 """
 from __future__ import annotations
 

@@ -4,9 +4,9 @@ memory commit, promotion to disk in commit order, capacity, and resume across ev
 Data still flows one way: state -> memory root (chunks, packs, manifest) -> peers' memory roots (replicas) ->
 memory commit marker -> (every ``disk_every``-th step) disk root, copied as stored -> disk commit marker ->
 (every ``Remote.every``-th disk step) the remote, by the uploader. A :class:`MemoryTier` owns the memory root's
-:class:`~ckptstore.orchestration.parts.Parts`, its :class:`~ckptstore.orchestration.saving.Saver` (with replication as its
-``before_commit`` step) and :class:`~ckptstore.orchestration.loading.Loader`; the disk store's saver promotes, the disk
-store's loader is the fallback of :meth:`MemoryTier.resume` and :meth:`MemoryTier.resolve`.
+:class:`~ckptstore.orchestration.parts.Parts`, its :class:`~ckptstore.orchestration.saving.Saver` (with replication
+as its ``before_commit`` step) and :class:`~ckptstore.orchestration.loading.Loader`; the disk store's saver
+promotes, the disk store's loader is the fallback of :meth:`MemoryTier.resume` and :meth:`MemoryTier.resolve`.
 
 Resume order (FORMAT.md "The memory tier"): the newest memory step that the nodes' memory roots hold whole
 between them (every saved rank's part in some root, under one commit marker) and that is not older than any
@@ -83,8 +83,9 @@ class MemoryTier:
     # -- saving ---------------------------------------------------------------------------------------------
     def save(self, state: Mapping[str, Any], step: int, *, metrics, blocking: bool, names, replicated):
         """``Store.save`` with a memory tier: ``None`` when ``step`` is due for no tier; else the memory save's
-        :class:`~ckptstore.orchestration.saving.SaveResult` / :class:`~ckptstore.orchestration.saving.SaveHandle`. A disk step is queued
-        for promotion once its memory commit succeeded. Raises a failed promotion's error once."""
+        :class:`~ckptstore.orchestration.saving.SaveResult` / :class:`~ckptstore.orchestration.saving.SaveHandle`. A
+        disk step is queued for promotion once its memory commit succeeded. Raises a failed promotion's error
+        once."""
         self.raise_if_failed()
         if not self.m.due(step):
             return None
@@ -341,8 +342,8 @@ class MemoryTier:
         """``Store.resume`` with a memory tier (see the module docstring): the newest memory step held whole by
         the nodes, rebuilt where a node lost it; else the disk store's resume (``disk_loader``: it sets aside the
         disk roots' committed steps newer than the step it resumed, see
-        :meth:`~ckptstore.orchestration.loading.Loader.set_aside_newer`). Either way memory steps newer than the step resumed
-        are dropped (a new timeline starts there: none of them is whole on the nodes)."""
+        :meth:`~ckptstore.orchestration.loading.Loader.set_aside_newer`). Either way memory steps newer than the
+        step resumed are dropped (a new timeline starts there: none of them is whole on the nodes)."""
         self.saver.wait()
         self.wait_for_promotions()           # they use the disk store's collectives: none may run beside resume
         choice = self.choose()

@@ -3,9 +3,9 @@ nested dict (``load``) or into ``state`` in place (``restore``, ``resume``), fro
 ``load_path``.
 
 :class:`Loader` wires the pure pieces to one store's parts: the candidate walk and the ranks' agreement
-(:mod:`ckptstore.distributed.resume`), the tiers (:mod:`ckptstore.remote.resolve`), reading a step for any world size and mesh
-(:mod:`ckptstore.io.restore`), Hub-format weights (:mod:`ckptstore.io.hub`). A remote step is pulled through the
-``pull`` callable it is given (:meth:`ckptstore.orchestration.maintenance.Maintenance.pull_step`).
+(:mod:`ckptstore.distributed.resume`), the tiers (:mod:`ckptstore.remote.resolve`), reading a step for any world
+size and mesh (:mod:`ckptstore.io.restore`), Hub-format weights (:mod:`ckptstore.io.hub`). A remote step is pulled
+through the ``pull`` callable it is given (:meth:`ckptstore.orchestration.maintenance.Maintenance.pull_step`).
 """
 from __future__ import annotations
 
@@ -535,9 +535,10 @@ class Loader:
 
     def _restore(self, state, catalog, blobs, step, *, strict, check_config, components=None,
                  rank_local: str = "error", commit: Optional[Commit] = None, share=None) -> Commit:
-        """Load ``step`` from ``catalog`` / ``blobs`` into ``state`` (:func:`ckptstore.distributed.resume.restore_into`),
-        checking the run config first; ``commit``: its marker, when the caller read it already (else read once
-        here). Returns the marker. Raises Corrupt/IncompatibleCheckpointError."""
+        """Load ``step`` from ``catalog`` / ``blobs`` into ``state``
+        (:func:`ckptstore.distributed.resume.restore_into`), checking the run config first; ``commit``: its marker,
+        when the caller read it already (else read once here). Returns the marker. Raises
+        Corrupt/IncompatibleCheckpointError."""
         p = self.p
         commit = commit if commit is not None else catalog.read_commit(step)
         if check_config:

@@ -1,10 +1,11 @@
 """Maintenance of one store: retention after each commit and each upload, ``keep_local``, :meth:`gc`,
 :meth:`verify`, :meth:`delete_step` and pulling a remote step into the local root.
 
-Every deletion goes through :func:`ckptstore.lifecycle.retention.apply` / :meth:`ckptstore.format.catalog.Catalog.delete_step`
-(commit marker first) and every sweep through :func:`ckptstore.lifecycle.gc.collect` under the gc lease; here they are
-only scheduled: after a commit (the saver's ``retain`` hand-off), after an upload and once the uploader has
-derived its work (its callbacks), at ``close``, or when asked.
+Every deletion goes through :func:`ckptstore.lifecycle.retention.apply` /
+:meth:`ckptstore.format.catalog.Catalog.delete_step` (commit marker first) and every sweep through
+:func:`ckptstore.lifecycle.gc.collect` under the gc lease; here they are only scheduled: after a commit (the saver's
+``retain`` hand-off), after an upload and once the uploader has derived its work (its callbacks), at ``close``, or
+when asked.
 
 With a remote, retention after a commit spares the local steps whose upload is pending; once no upload needs
 them they follow ``keep`` again: after each upload, at ``close`` (uploads done), and when a restarted writer's
