@@ -5,7 +5,7 @@ the hand-off to retention and to the uploader.
 *how* bytes move (snapshot, :func:`~ckptstore.io.writer.write_arrays`, the commit protocol of
 :mod:`ckptstore.distributed.commit`); *what* a step holds comes from :mod:`ckptstore.state.flatten`; what happens
 after a commit (retention, the sweep) is the ``retain`` callable it is given
-(:meth:`ckptstore.orchestration.maintenance.Maintenance. after_commit`), and uploads are the uploader's.
+(:meth:`ckptstore.orchestration.maintenance.Maintenance.after_commit`), and uploads are the uploader's.
 """
 from __future__ import annotations
 
@@ -103,14 +103,17 @@ class Saver:
         self.before_commit = before_commit
         #: a context manager held while a save decides what to reuse and writes (chunks, packs, manifest,
         #: ``before_commit``): the memory tier's node lock, against its sweep
-        #: (:class:`ckptstore.memtier.memory.NodeLock`) f.write_lock = write_lock ``(step, gen, manifest)`` of the
-        #: last save this saver committed (on every rank): what a promotion of that step copies f.last_committed:
-        #: Optional[Tuple[int, int, Manifest]] = None f._op: Optional[WriterOp] = None         # the save in
-        #: flight's in-flight marker f._epoch = None                          # gc epoch seen at the last save (see
-        #: ckptstore.lifecycle.lease) f._gen = 0                               # manifest generation the save in
-        #: flight writes f._names: Tuple[str, ...] = ()           # names the save in flight records in its commit
-        #: marker f._renaming = False                      # it re-saves the newest step under names (not a rewind)
-        #: f._replicated: List[str] = []            # its replicated keys (save(replicated=...))
+        #: (:class:`ckptstore.memtier.memory.NodeLock`)
+        self.write_lock = write_lock
+        #: ``(step, gen, manifest)`` of the last save this saver committed (on every rank): what a promotion
+        #: of that step copies
+        self.last_committed: Optional[Tuple[int, int, Manifest]] = None
+        self._op: Optional[WriterOp] = None         # the save in flight's in-flight marker
+        self._epoch = None                          # gc epoch seen at the last save (see ckptstore.lifecycle.lease)
+        self._gen = 0                               # manifest generation the save in flight writes
+        self._names: Tuple[str, ...] = ()           # names the save in flight records in its commit marker
+        self._renaming = False                      # it re-saves the newest step under names (not a rewind)
+        self._replicated: List[str] = []            # its replicated keys (save(replicated=...))
 
     # -- the save ------------------------------------------------------------------------------------------
     def save(self, state: Mapping[str, Any], step: int, *, metrics: Optional[Mapping[str, Any]], blocking: bool,
