@@ -107,24 +107,21 @@ class Loader:
                         type(e).__name__, e)
             return local, False
 
-    def _listed_once(self, fn: Callable[[], T]) -> T:
+    def _listed_once(self, fn: Callable[[], T], attempts: Optional[int] = 1) -> T:
         """``fn()``, which lists the remote, as ONE attempt abandoned after the retry policy's ``op_timeout``
         seconds (:meth:`RetryingStorage.call <ckptstore.storage.retrying.RetryingStorage.call>`): an unreachable
-        or silent remote must not hold up a resume from local steps for the whole deadline."""
+        or silent remote must not hold up a resume from local steps for the whole deadline. ``attempts=None``:
+        retried for the policy's deadline (counted from the start of the outage) instead."""
         remote = self.p.remote_storage
         if not isinstance(remote, RetryingStorage):
             return fn()
-        return remote.call(fn, f"list the steps of {remote.url}", attempts=1)
+        return remote.call(fn, f"list the steps of {remote.url}", attempts=attempts)
 
     def _listed_within_deadline(self, fn: Callable[[], T]) -> T:
-        """``fn()``, which lists the remote, retried for the retry policy's deadline (counted from the start of
-        the outage); raises :class:`~ckptstore.util.errors.TransferError` naming the remote when it never
-        answers, or at once when it refuses (e.g. denied credentials)."""
-        remote = self.p.remote_storage
+        """:meth:`_listed_once` retried for the deadline; raises :class:`~ckptstore.util.errors.TransferError`
+        naming the remote when it never answers, or at once when it refuses (e.g. denied credentials)."""
         try:
-            if not isinstance(remote, RetryingStorage):
-                return fn()
-            return remote.call(fn, f"list the steps of {remote.url}")
+            return self._listed_once(fn, attempts=None)
         except Exception as e:
             raise self._unlisted(e) from e
 
