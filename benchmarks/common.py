@@ -374,14 +374,20 @@ def peak_rss_bytes() -> int:
     reset_peak_rss() resets), else getrusage's ru_maxrss. ru_maxrss is not used first: it is the larger of
     that mark and the maxrss carried over at exec from the process that forked it, so a child forked by a
     parent holding a big state (a bench driver that has just uploaded one) reports the parent's peak."""
+    hwm = proc_kib("/proc/self/status", "VmHWM")
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def proc_kib(path: str, key: str) -> int | None:
+    """A ``key:  N kB`` line of a /proc file (status, meminfo) in bytes, or None when it is not there."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return None
 
 
 # fixed glibc thresholds for processes whose peaks are measured: big buffers are mmapped and handed back on

@@ -5,7 +5,7 @@
     start = store.resume(state)          # newest valid committed step, or None
     store.save(state, step)              # -> SaveResult
 
-The package is layered; each subpackage imports only the ones listed before it (tests/test_layers.py checks it):
+The package is layered; each subpackage imports only the ones listed before it (tests/api/test_layers.py checks it):
 
     util/           errors, credential redaction, retries under deadlines, background threads
     storage/        the small Storage interface: local disk, fsspec (S3, GCS, ...), retrying remote wrapper
@@ -26,6 +26,7 @@ from .util.errors import (CheckpointError, CorruptCheckpointError, IncompatibleC
                           UploadError)
 from .util.redact import install_log_filter
 from .util.retry import RetryPolicy
+from .storage.local import atomic_file
 from .state.data import ElasticSampler
 from .state.flatten import RNGState
 from .format.packs import Packing
@@ -40,4 +41,4 @@ install_log_filter()              # no credential in any ckptstore log line
 
 __all__ = ["Store", "Memory", "Remote", "Writing", "Packing", "Retention", "RetryPolicy", "RNGState", "SaveResult",
            "ElasticSampler", "CheckpointError", "CorruptCheckpointError", "IncompatibleCheckpointError",
-           "TransferError", "UploadError", "CommitError", "ReplicationError", "__version__"]
+           "TransferError", "UploadError", "CommitError", "ReplicationError", "atomic_file", "__version__"]

@@ -11,8 +11,8 @@
 ROOT / URL: a local path, ``file://`` URL, or any fsspec URL (``s3://``, ``gs://``, ...); storage options
 (endpoint, credentials) come from ``--storage-options JSON`` or ``$CKPTSTORE_STORAGE_OPTIONS``, the same on every
 command and for every URL of a command. A step is a number, ``latest`` or ``best`` (see
-:func:`ckptstore.lifecycle.retention.criterion` for what best means: ``--metric`` / ``--mode``, else the criterion the newest commit
-recorded, else ``loss`` / ``min``).
+:func:`ckptstore.lifecycle.retention.criterion` for what best means: ``--metric`` / ``--mode``, else the criterion
+the newest commit recorded, else ``loss`` / ``min``).
 
 Exit status: 0 ok, 1 problems found (``verify``, ``pull``: a damaged step; ``gc``: unreadable steps), 2 usage or
 any other error, 3 ``gc`` deferred (saves in flight; nothing deleted by the sweep). An error is one line on

@@ -1,22 +1,13 @@
 """``Store``: the facade training code calls. It wires the parts and owns no format and no orchestration of its
-own.
-
-Data flows one way: state -> flatten (:mod:`.state`) -> byte views (:mod:`.snapshot`) -> chunks, ids, blobs
-(:mod:`.writer`, :mod:`.blobs`) -> manifest -> commit marker (:mod:`.catalog`) -> latest pointer
-(:mod:`.pointers`) -> tiers (:mod:`.upload`) and retention (:mod:`.retention`, :mod:`.gc`).
-
-Options come as a few small objects (:class:`~ckptstore.orchestration.options.Writing`, :class:`~ckptstore.orchestration.options.Remote`,
-:class:`~ckptstore.lifecycle.retention.Retention`); the shared parts are one :class:`~ckptstore.orchestration.parts.Parts`; each concern
-runs in a module of its own: saving (:class:`~ckptstore.orchestration.saving.Saver`), reading and resuming
-(:class:`~ckptstore.orchestration.loading.Loader`), retention, gc, verify, deletion and pulls
-(:class:`~ckptstore.orchestration.maintenance.Maintenance`). ``Store``'s public methods check once that the store is open (and
-writable, for those that write) and delegate.
+own: the option objects are checked by :mod:`ckptstore.orchestration.options`, the shared parts are one
+:class:`~ckptstore.orchestration.parts.Parts`, and each concern runs in the module that owns it (saving, loading,
+maintenance in :mod:`ckptstore.orchestration`; the memory tier in :mod:`ckptstore.memtier`; the layers: the
+:mod:`ckptstore` docstring). Public methods check once that the store is open (and writable) and delegate.
 """
 from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import Any, Dict, Iterable, List, Mapping, MutableMapping, Optional, Tuple, Union
 
 from .util.errors import CheckpointError
@@ -24,17 +15,14 @@ from .lifecycle.gc import GCReport
 from .orchestration.loading import Loader
 from .orchestration.maintenance import Maintenance
 from .format.manifest import Commit
-from .memtier.memory import Memory
-from .orchestration.options import Remote, Writing
-from .orchestration.parts import Parts, default_rank_world, local_path
-from .format.pointers import read_latest
+from .memtier.memory import Memory, check_memory_option
+from .orchestration.options import Remote, Writing, store_options
+from .orchestration.parts import Parts, default_rank_world
 from .io.reader import MapLocation
 from .lifecycle.retention import Retention
-from .lifecycle.rewind import ON_REWIND
 from .orchestration.saving import SaveHandle, SaveResult, Saver
-from .storage import Storage, is_local, open_storage
+from .storage import Storage, open_storage
 from .memtier.tiering import MemoryTier
-from .remote.upload import Uploader, leads_other_root
 
 log = logging.getLogger("ckptstore")
 
@@ -65,25 +53,20 @@ class Store:
             ``IncompatibleCheckpointError`` listing each differing key when it differs, except keys named in
             ``config_may_change`` (dotted names; a name covers the keys below it).
         rank, world_size: default from ``torch.distributed`` when initialised, else ``RANK`` / ``WORLD_SIZE``
-            environment variables, else 0 / 1. Each rank writes its own manifest; rank 0 writes the commit
-            marker once every rank's part is durable. Under an initialised process group of this world size,
-            ``save`` and ``resume`` are collective (see :mod:`ckptstore.distributed.commit`, :mod:`ckptstore.io.restore`);
-            without one, rank 0 polls the shared root for the other ranks' manifests. To save from one
-            process alone while a process group exists (e.g. a consolidated export on rank 0), pass
-            ``rank=0, world_size=1``.
+            environment variables, else 0 / 1. Each rank writes its own manifest, rank 0 the commit marker once
+            every part is durable. Under a process group of this world size ``save`` and ``resume`` are collective
+            (:mod:`ckptstore.distributed.commit`, :mod:`ckptstore.io.restore`); without one, rank 0 polls the shared
+            root for the other ranks' manifests. To save from one process alone while a process group exists
+            (e.g. a consolidated export on rank 0), pass ``rank=0, world_size=1``.
         collective_timeout: seconds a rank waits for the others in a collective save / resume (default
             600) before raising ``CommitError`` naming the ranks that did not arrive.
-        writing: a :class:`~ckptstore.orchestration.options.Writing`: how saves write (chunk size, codec, threads, O_DIRECT,
-            packing, opt-in change detection).
-        keep: a :class:`~ckptstore.lifecycle.retention.Retention` (``Retention(last=N, every=K, best=M, metric="loss",
-            mode="min")``): the union of the newest N committed steps, every K-th step and the M best by
-            ``metrics[metric]``. Never deleted whatever the policy: the newest committed step, the best step
-            (:meth:`best_step`), a step whose upload is pending, the step being saved. Applied after every
-            commit (rank 0, and the leader of each other root), followed by a sweep of the blobs and packs no
-            kept step references; with ``remote``, applied to the remote too by the uploader after each upload
-            (the remote keeps the policy's result; ``Remote(keep_local=)`` may keep fewer locally). The best
-            criterion is recorded in every commit marker, so readers find "best" without the policy
-            (:func:`ckptstore.lifecycle.retention.best_step`).
+        writing: a :class:`~ckptstore.orchestration.options.Writing`: how saves write (chunk size, codec, threads,
+            O_DIRECT, packing, opt-in change detection).
+        keep: a :class:`~ckptstore.lifecycle.retention.Retention`: the steps to keep, and those never deleted
+            whatever the policy (the newest, the best (:meth:`best_step`), a step whose upload is pending, the
+            step being saved). Applied after every commit (rank 0, and the leader of each other root), then a
+            sweep of what no kept step references; with ``remote``, to the remote too after each upload
+            (``Remote(keep_local=)`` may keep fewer locally). The rules: FORMAT.md "Retention".
         on_rewind: what ``save`` does with a step lower than or equal to the newest committed one (locally, or
             on the remote this store uploads to): ``"error"`` (default) raises ``IncompatibleCheckpointError``
             naming both steps; ``"truncate"`` first drops the later steps (locally and on the remote; the
@@ -94,22 +77,19 @@ class Store:
         create: create a missing local root (``False``: raise ``FileNotFoundError``).
         remote: an fsspec URL (``s3://bucket/prefix``, ``gs://...``, ``memory://...``, ``file://...``) to
             which every committed step is uploaded in the background, in commit order, or a
-            :class:`~ckptstore.orchestration.options.Remote` with its upload knobs (workers, retries, backlog, read-only use,
-            ``keep_local``).
+            :class:`~ckptstore.orchestration.options.Remote` with its upload knobs (workers, retries, backlog,
+            read-only use, ``keep_local``).
         load_path: where to start from when the run has no checkpoint of its own: a store URL (its newest
-            valid step), ``<store URL>/steps/<step>`` (that step, zero-padded to 12 digits or not), or model
-            weights in the Hub's format, never unpickled: a ``.safetensors`` file or a ``save_pretrained``
-            directory (``model.safetensors`` or its index and shards), loaded into ``state["model"]`` (or the
-            one key ``load_components`` names); see :mod:`ckptstore.io.hub`.
+            valid step), ``<store URL>/steps/<step>`` (that step, zero-padded to 12 digits or not), or Hub-format
+            weights, never unpickled (a ``.safetensors`` file, or a ``save_pretrained`` directory: see
+            :mod:`ckptstore.io.hub`), loaded into ``state["model"]`` (or the one key ``load_components`` names).
         load_components: take only these top-level keys from ``load_path`` (e.g. ``("model",)`` for
             weights-only fine-tuning); the other entries of ``state`` keep their fresh values.
-        memory: a :class:`~ckptstore.memtier.memory.Memory`: a RAM-backed tier in front of ``root`` (the disk) and the
-            remote, with its own cadence, capacity and peer replication (see :mod:`ckptstore.memtier.tiering`). Saves
-            then go to memory (``save`` of a step due for no tier returns ``None``); every ``disk_every``-th
-            memory step is promoted to ``root`` in the background, and the remote receives the disk steps
-            ``Remote(every=)`` names. ``resume`` / ``resolve`` look at memory first (this node's, then the
-            peers'), then disk, remote and ``load_path``. Collective to construct when it replicates (it makes
-            a gloo group of its own). Not with ``read_only``.
+        memory: a :class:`~ckptstore.memtier.memory.Memory`: a RAM-backed tier in front of ``root`` (the disk)
+            and the remote, with its own cadence, capacity, promotion to disk and peer replication (its docstring;
+            FORMAT.md "The memory tier"). ``save`` of a step due for no tier returns ``None``; ``resume`` /
+            ``resolve`` look at memory first. Collective to construct when it replicates (it makes a gloo group
+            of its own). Not with ``read_only`` (``ValueError``).
         read_only: open the store to read only (a rank that only loads, a second process inspecting a run):
             no uploader, no writer lease, no retention; a step only the remote holds is read straight from it,
             never pulled into ``root``. :meth:`save`, :meth:`pull`, :meth:`gc` and :meth:`delete_step` raise
@@ -124,22 +104,10 @@ class Store:
                  load_components: Optional[Iterable[str]] = None, collective_timeout: float = 600.0,
                  on_rewind: str = "error", read_only: bool = False, create: bool = True,
                  memory: Optional[Memory] = None):
-        writing = writing if writing is not None else Writing()
-        if not isinstance(writing, Writing):
-            raise TypeError(f"writing must be a ckptstore.Writing, got {type(writing).__name__}")
-        remote = Remote.of(remote)
-        if keep is not None and not isinstance(keep, Retention):
-            raise TypeError(f"keep must be a ckptstore.Retention, got {type(keep).__name__}")
-        if memory is not None and not isinstance(memory, Memory):
-            raise TypeError(f"memory must be a ckptstore.Memory, got {type(memory).__name__}")
-        if memory is not None and read_only:
-            raise ValueError("memory= is for a store that saves: not with read_only=True")
-        if on_rewind not in ON_REWIND:
-            raise ValueError(f"on_rewind must be one of {ON_REWIND}, got {on_rewind!r}")
+        writing, remote = store_options(writing, remote, keep, on_rewind)
+        check_memory_option(memory, read_only)
         self.rank, self.world_size = default_rank_world(rank, world_size)
-        if not create and is_local(root) and not os.path.isdir(local_path(root)):
-            raise FileNotFoundError(f"no store at {root}")
-        storage = open_storage(root, storage_options, direct_io=writing.direct_io)
+        storage = open_storage(root, storage_options, direct_io=writing.direct_io, create=create)
         self._closed = False
         p = self._parts = Parts(storage, rank=self.rank, world_size=self.world_size, writing=writing,
                                 remote=remote, storage_options=storage_options, keep=keep, config=config,
@@ -158,22 +126,14 @@ class Store:
             p.storage_options
         self.load_path, self.load_components = load_path, self._loader.load_components
         self.pulled = self._maintenance.pulled      # what each pull into this root did, oldest first
-        if remote is not None and remote.upload and not p.read_only:
-            p.upload_args = self._maintenance.upload_args(remote)
-            # started after resume() (or at the first save / wait / close): see Uploader.start. One uploader per
-            # store root: rank 0's, and a parts-only one for each other root, started by its lowest rank at its
-            # first commit (see ckptstore.orchestration.saving), or now when this root already shows it is such a root (a
-            # restarted job finishing uploads)
-            if self.rank == 0:
-                p.uploader = Uploader(storage, p.remote_storage, start=False, **p.upload_args)
-            elif leads_other_root(p.catalog, storage, self.rank):
-                p.uploader = Uploader(storage, p.remote_storage, parts_only=True, start=False, **p.upload_args)
+        self._maintenance.open_uploader()
         self.memory = memory
-        self._tier: Optional[MemoryTier] = None
-        if memory is not None:
-            self._tier = MemoryTier(memory, disk=p, disk_saver=self._saver, disk_loader=self._loader,
-                                    writing=writing, config=config, config_may_change=config_may_change,
-                                    on_rewind=on_rewind)
+        self._tier: Optional[MemoryTier] = None if memory is None else MemoryTier(
+            memory, disk=p, disk_saver=self._saver, disk_loader=self._loader, writing=writing, config=config,
+            config_may_change=config_may_change, on_rewind=on_rewind)
+        # save, wait, resolve, restore and resume go to the memory tier when there is one (it falls back to disk)
+        self._saves = self._saver if self._tier is None else self._tier
+        self._reads = self._loader if self._tier is None else self._tier
 
     @property
     def resumed_from(self) -> Optional[Dict[str, Any]]:
@@ -214,13 +174,10 @@ class Store:
         one global step under its top-k path, then as ``last.ckpt``).
 
         ``replicated``: top-level keys of ``state`` whose values are the same on every rank (the model,
-        optimizer and scheduler under DDP). Rank 0 saves them; the other ranks do not call their
-        ``state_dict()``, copy, hash or write them, and their manifests name them as read from rank 0's; a
-        step loads them from rank 0's manifest on any rank and any world size (values that differ between
-        ranks, e.g. per-rank RNG, are rank-local instead). Every rank must pass the same keys (else the save
-        raises ``CommitError``); a replicated key may not hold DTensors (``ValueError``: they are sharded, so
-        not replicated). Ignored by a store of one rank. The rule comes from DDP's own guarantee that every
-        replica holds the same parameters after each step; it is the saver's promise, not checked.
+        optimizer and scheduler under DDP: DDP's own guarantee; the saver's promise, not checked). Only rank 0
+        calls their ``state_dict()`` and writes them; any rank and world size loads them from rank 0's manifest
+        (FORMAT.md, manifest ``replicated``). Every rank must pass the same keys (else ``CommitError``); a
+        replicated key may not hold DTensors (``ValueError``: they are sharded). Ignored by a store of one rank.
 
         ``blocking=True`` (default): returns a :class:`SaveResult` once the step is committed and durable on
         local disk. ``blocking=False``: returns a :class:`SaveHandle` as soon as every changed tensor is copied
@@ -229,27 +186,21 @@ class Store:
         ``save`` first waits for the previous one. A background failure is raised by the handle's
         ``result()``, else by the next ``save``, :meth:`wait` or :meth:`close` (whichever comes first, once).
 
-        Under an initialised process group the save is collective (every rank calls it with the same step):
-        DTensors are saved as their local shards, and the step is committed only when every rank's part is
-        durable. If any rank fails (an exception in a Stateful, in flatten, in a write) or does not arrive
-        within ``collective_timeout``, every rank raises the same :class:`~ckptstore.distributed.commit.CommitError`
-        naming the ranks and their errors (chained to this rank's own error), and nothing is committed.
+        Under an initialised process group the save is collective (every rank calls it with the same step;
+        DTensors are saved as their local shards): if any rank fails (in a Stateful, in flatten, in a write) or
+        does not arrive within ``collective_timeout``, every rank raises the same ``CommitError`` naming the
+        ranks and their errors (chained to its own), and nothing is committed (:mod:`ckptstore.distributed.commit`).
 
         Raises ``TypeError`` naming the key path of an unsupported value before anything is written;
         ``OSError`` from the disk (the step then stays invisible); ``CommitError`` as above.
         """
-        if self._tier is not None:
-            return self._tier.save(state, step, metrics=metrics, blocking=blocking, names=names,
-                                   replicated=replicated)
-        return self._saver.save(state, step, metrics=metrics, blocking=blocking, names=names, replicated=replicated)
+        return self._saves.save(state, step, metrics=metrics, blocking=blocking, names=names, replicated=replicated)
 
     def wait(self, timeout: Optional[float] = None) -> Optional[SaveResult]:
         """Wait for the non-blocking save in flight, if any, and return its result (``None`` if there is none).
         Raises its error if nobody has seen it yet. With ``memory``: the memory save (promotions to disk go on
         in the background, as uploads do: :meth:`wait_for_uploads` waits for both)."""
-        if self._tier is not None:
-            return self._tier.wait(timeout)
-        return self._saver.wait(timeout)
+        return self._saves.wait(timeout)
 
     @_guard()
     def wait_for_uploads(self, timeout: Optional[float] = None) -> None:
@@ -271,11 +222,7 @@ class Store:
     def latest_step(self) -> Optional[int]:
         """The newest committed step, or ``None``. Uses the latest pointer when it names a committed step
         at least as new as every listed one."""
-        steps = self.catalog.committed_steps()
-        pointed = read_latest(self.storage)
-        if pointed is not None and pointed in steps and pointed == steps[-1]:
-            return pointed
-        return steps[-1] if steps else None
+        return self._loader.latest_step()
 
     def commit_info(self, step: int) -> Commit:
         """The commit marker of ``step`` (metrics, config, sizes). Raises ``CorruptCheckpointError``."""
@@ -318,58 +265,48 @@ class Store:
         marker read per tier; chunks are verified by the load itself (:meth:`restore` still falls back to
         an older step if they are damaged). Under torch.distributed it is collective: rank 0 decides and every
         rank gets its answer."""
-        if self._tier is not None:
-            return self._tier.resolve(self._loader.resolve)
-        return self._loader.resolve()
+        return self._reads.resolve()
 
     @_guard()
     def restore(self, state: MutableMapping[str, Any], step: Optional[int] = None, *,
                 keys: Optional[Iterable[str]] = None, strict: bool = True, rank_local: str = "error") -> int:
-        """Load a chosen committed step into ``state`` in place and return it: ``step=None`` is the newest
-        valid step over the local root and the remote (an older one is taken, logged, when it is damaged);
-        an explicit ``step`` is never substituted. Unlike :meth:`resume` it never falls back to ``load_path``
-        or to a fresh start.
+        """Load a chosen committed step into ``state`` in place and return it: ``step=None`` is the newest valid
+        step over the local root and the remote (an older one is taken, logged, when it is damaged); an explicit
+        ``step`` is never substituted. Unlike :meth:`resume` it never falls back to ``load_path`` or to a fresh start.
 
         ``keys``: restore only these top-level keys of ``state`` (each must be in the step and in ``state``;
         the others keep their values): a trainer that restores model, optimizer and RNG at different moments
         calls it once per group. ``strict`` (without ``keys``): the top-level keys of ``state`` and the step
-        must match. Values are applied as by :meth:`resume`: Stateful objects get ``load_state_dict``, DTensor
-        targets are filled in place and resharded to this run's mesh, a step only the remote holds is pulled
-        (read straight from the remote by a ``read_only`` store). Collective under torch.distributed, as
-        ``resume`` is. ``resumed_from`` tells where it came from.
+        must match. Values are applied as by :meth:`resume` (DTensor targets resharded to this run's mesh); a
+        step only the remote holds is pulled (read straight from the remote by a ``read_only`` store).
+        Collective under torch.distributed, as ``resume`` is. ``resumed_from`` tells where it came from.
 
         Raises ``FileNotFoundError`` (no such committed step / none at all), ``CorruptCheckpointError`` (the
         explicit step is damaged, or every step is), ``IncompatibleCheckpointError`` (keys, shapes, config)."""
         self.wait()
-        if self._tier is not None:          # promotions use the disk store's collectives, as restore does
-            self._tier.wait_for_promotions()
-        return self._loader.restore(state, step, keys=keys, strict=strict, rank_local=rank_local)
+        return self._reads.restore(state, step, keys=keys, strict=strict, rank_local=rank_local)
 
     @_guard()
     def resume(self, state: MutableMapping[str, Any], *, strict: bool = True,
                rank_local: str = "error") -> Optional[int]:
         """Restore ``state`` from the freshest valid checkpoint; return its step, or ``None`` (fresh start).
 
-        Tiers, each fallback logged with its reason: (1) local committed steps and (2) remote committed steps,
-        newest first across both (a step held by both is read locally; a remote step is first pulled into the
-        local root, every blob verified by hash, except one written by another world size, which each rank
-        reads straight from the remote, only the shards it needs); a damaged local step is repaired from the
-        remote when the remote holds it; (3) ``load_path`` (only ``load_components`` if given: then the return
-        value is ``None``, as the run itself starts fresh, and ``resumed_from`` tells what was loaded); (4) fresh
-        start.
-        The run's own checkpoints always win over ``load_path``. Details of the choice: ``self.resumed_from``.
+        Tiers, each fallback logged with its reason (FORMAT.md "Read order (resume)"): (1) local and (2) remote
+        committed steps, newest first across both (a step held by both is read locally; a remote step is pulled
+        into the local root, verified, unless another world size wrote it: each rank then reads the shards it
+        needs straight from the remote; a damaged local step is repaired from the remote when it holds it);
+        (3) ``load_path`` (with ``load_components``: then ``None`` is returned, as the run starts fresh); (4) fresh
+        start. The run's own checkpoints always win over ``load_path``. Details of the choice: ``resumed_from``.
 
         Stateful values get ``load_state_dict``; other entries of ``state`` are replaced by the loaded values
         (tensors go back to the device they were saved from when it exists here, else CPU). ``strict=False``
         loads only the top-level keys present in both ``state`` and the checkpoint.
 
-        **Under torch.distributed** ``resume`` is collective: rank 0 lists the candidate steps once and
-        broadcasts them; for each, every rank loads its part (pulling it from the remote when its own root
-        lacks it) and the ranks agree: a step damaged for one rank falls back for all. DTensor targets (in
-        what each Stateful's ``state_dict()`` returns) are filled in place with the bytes their current sharding
-        needs, whatever world size and mesh saved the step (see :mod:`ckptstore.io.restore`). Values that differ
-        between the saved ranks and are not DTensors are *rank-local*: with another world size, ``rank_local=
-        "error"`` (default) raises ``IncompatibleCheckpointError`` naming them and both world sizes, and
+        **Under torch.distributed** ``resume`` is collective: the ranks agree on each candidate, so a step damaged
+        for one rank falls back for all (:mod:`ckptstore.distributed.resume`). DTensor targets are filled in place
+        for their current sharding, whatever world size and mesh saved the step (:mod:`ckptstore.io.restore`).
+        Values that differ between the saved ranks and are not DTensors are *rank-local*: with another world size,
+        ``rank_local="error"`` (default) raises ``IncompatibleCheckpointError`` naming them and both world sizes;
         ``rank_local="fresh"`` keeps this run's values for them (logged) and loads the rest.
 
         Raises ``IncompatibleCheckpointError`` when the run config differs (see ``config_may_change``), the
@@ -379,9 +316,7 @@ class Store:
         cannot be read from the remote within ``Remote.retry``'s deadline (it may be intact: no fallback).
         """
         self.wait()
-        if self._tier is not None:
-            return self._tier.resume(state, strict=strict, rank_local=rank_local, fallback=self._loader.resume)
-        return self._loader.resume(state, strict=strict, rank_local=rank_local)
+        return self._reads.resume(state, strict=strict, rank_local=rank_local)
 
     # -- maintenance --------------------------------------------------------------------------------------
     @_guard(write="pull")
@@ -453,13 +388,12 @@ class Store:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        try:                                   # do not mask the exception already propagating
+        try:
             self.close()
         except Exception as e:
-            log.error("while closing %s after an error: %s", self.root, e)
+            if exc_type is None:
+                raise
+            log.error("while closing %s after an error: %s", self.root, e)   # do not mask the one propagating
 
     def __repr__(self) -> str:
         return f"Store({self.root!r}, rank={self.rank}, world_size={self.world_size})"

@@ -15,8 +15,8 @@ fate drawn from a seeded generator:
   length and rewrites ``Content-Length`` to it (the client sees a well-formed, shorter answer), ``"mixed"`` draws
   one of the two per answer. Two damaged answers in a row to the same request line never carry the same bad
   bytes (a fault of the network, not of the object);
-* ``ok``: forwarded; while faults are on, closed after a short random lifetime (maybe mid-request), so
-  keep-alive clients keep meeting new fates;
+* ``ok``: forwarded; while faults are on, closed after a random lifetime drawn from ``ok_lifetime`` seconds
+  (maybe mid-request), so keep-alive clients keep meeting new fates;
 * ``blackhole = True`` (independent of ``faults``): the server stops answering: every connection, new or open,
   still accepts bytes, and nothing more crosses in either direction (a server that accepts requests and never
   answers, issue 26 item 6); set it back to False and open connections carry bytes again.
@@ -38,12 +38,13 @@ class FaultProxy(LoopbackProxy):
     name = "faultproxy"
 
     def __init__(self, upstream_port: int, *, seed: int = 0, weights=(2, 2, 2, 1, 6), stall_seconds: float = 3.0,
-                 slowdown_status: int = 503):
+                 slowdown_status: int = 503, ok_lifetime=(0.3, 2.0)):
         super().__init__(upstream_port)
         self.slowdown_status = slowdown_status
         self.rng = random.Random(seed)
         self.weights = weights
         self.stall_seconds = stall_seconds
+        self.ok_lifetime = ok_lifetime
         self.faults = False
         self.corrupt_bodies = 0                 # answers whose body gets one byte flipped (see _pipe_down)
         self.corrupt_match = b""
@@ -193,7 +194,7 @@ class FaultProxy(LoopbackProxy):
                 await asyncio.sleep(self.stall_seconds)
                 return _reset(cw)
             ur, uw = await self.connect_upstream()
-            lifetime = self.rng.uniform(0.3, 2.0)
+            lifetime = self.rng.uniform(*self.ok_lifetime)
             seen = []                              # request lines sent on this connection, newest last
             up = asyncio.ensure_future(pipe(cr, uw, lambda data: self._upstream(data, seen)))
             if fate == "lost":

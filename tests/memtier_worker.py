@@ -65,6 +65,8 @@ def main():
     add_options(ap, remote_every=6, disk_every=3, mem_keep=3, capacity_mib=64, node_size=2, timeout=20.0,
                 collective_timeout=60.0, steps=10, hold_after=0, die_at=0, die_rank=3, mark="", no_memory=False,
                 replicas=1)
+    ap.add_argument("--resume-by", choices=["resume", "resolve"], default="resume",
+                    help="Store.resume, or Store.resolve then Store.restore of that step (the trainers' way)")
     args = ap.parse_args()
 
     rank, world = join(timeout=90)
@@ -95,7 +97,11 @@ def main():
                                                 timeout=args.timeout)
     store = Store(disk, rank=rank, world_size=world, remote=remote, storage_options=json.loads(args.so),
                   keep=Retention(last=2), collective_timeout=args.collective_timeout, memory=memory)
-    start = store.resume(state) or 0
+    if args.resume_by == "resolve":                 # as the HF and torchtitan adapters do: choose, then restore
+        found = store.resolve()
+        start = store.restore(state, found[0]) if found is not None else 0
+    else:
+        start = store.resume(state) or 0
     out = {"rank": rank, "resumed": start, "resumed_from": store.resumed_from, "pos": state["pos"]}
     print(f"rank {rank} resumed from {start}: {store.resumed_from}", flush=True)
     dist.barrier()

@@ -57,6 +57,7 @@ import torch
 from ..format.blobs import digest_bytes
 from ..util.errors import CheckpointError, CorruptCheckpointError
 from ..format.manifest import ARRAY_KINDS
+from ..io.reader import wait_all
 
 log = logging.getLogger("ckptstore")
 
@@ -333,14 +334,7 @@ class Session:
                 for k, lo, hi in piece:
                     if hi == k[1]:                      # the chunk's last byte arrived: verify it
                         checks.append(self._executor.submit(self._check, k))
-        error = None
-        for f in checks:
-            try:
-                f.result()
-            except CorruptCheckpointError as e:
-                error = error or e
-        if error is not None:
-            raise error
+        wait_all(checks)                                # every check done before the first error is raised
         for k, out in self._copies:
             out[:] = self._primary[k][0]
         self.o.stats = {"shared_bytes": sum(nb for _, nb in self._order), "read_bytes": read,

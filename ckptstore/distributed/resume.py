@@ -1,7 +1,7 @@
 """Resume: which step a run continues from (agreed by every rank), and how a step's values reach ``state``.
 
-Two small pieces, kept apart from :class:`~ckptstore.orchestration.loading.Loader` (which wires them to a store's catalogs,
-pulls and pools):
+Two small pieces, kept apart from :class:`~ckptstore.orchestration.loading.Loader` (which wires them to a store's
+catalogs, pulls and pools):
 
 * :func:`first_valid_step` walks the candidate steps newest first (:func:`ckptstore.remote.resolve.candidates`: local,
   then remote). Under ``torch.distributed`` discovery happens once: rank 0 finds the candidates (the remote's
@@ -44,22 +44,11 @@ def first_valid_step(list_candidates: Callable[[], List[Tier]], attempt: Callabl
     ``substitute=False`` (a step chosen by the caller): a candidate that fails is raised on every rank, not
     skipped. ``more()``: the complete candidate list, asked for (on rank 0, broadcast) only when every
     candidate of the first list failed (the first is then the cheap one: the latest pointer's step)."""
-    tiers: Optional[List[Tier]] = None
-    if coord is None or coord.rank == 0:
-        tiers = list(list_candidates())
-    if coord is not None:                             # discovery once: rank 0 lists, every rank follows
-        got = coord.broadcast(f"{tag}/steps", {"steps": tiers}, timeout)
-        tiers = [(int(s), str(t)) for s, t in got["steps"]]
+    tiers = _discovered(list_candidates, coord, f"{tag}/steps", timeout)
     tried = set()
     for round_ in range(2 if more is not None else 1):
         if round_ == 1:                               # every cheap candidate failed: the whole listing
-            rest = None
-            if coord is None or coord.rank == 0:
-                rest = [t for t in more() if t not in tried]
-            if coord is not None:
-                got = coord.broadcast(f"{tag}/more", {"steps": rest}, timeout)
-                rest = [(int(s), str(t)) for s, t in got["steps"]]
-            tiers = rest
+            tiers = [t for t in _discovered(more, coord, f"{tag}/more", timeout) if t not in tried]
         for step, tier in tiers:
             i = len(tried)
             tried.add((step, tier))
@@ -87,6 +76,31 @@ def first_valid_step(list_candidates: Callable[[], List[Tier]], attempt: Callabl
                 continue
             return step, tier
     return None
+
+
+def _discovered(listing: Callable[[], List[Tier]], coord: Optional[Coordinator], tag: str,
+                timeout: float) -> List[Tier]:
+    """``listing()`` on rank 0, broadcast to every rank (discovery once). A listing that raises on rank 0 is
+    raised on every rank (a :class:`~ckptstore.util.errors.TransferError` as one, anything else as a
+    ``CheckpointError`` naming rank 0), so no rank waits for a broadcast that never comes."""
+    if coord is None:
+        return list(listing())
+    msg: dict = {"steps": None}
+    error: Optional[BaseException] = None
+    if coord.rank == 0:
+        try:
+            msg["steps"] = [list(t) for t in listing()]
+        except BaseException as e:  # noqa: B902 - every rank learns of it, then rank 0 raises it
+            error = e
+            msg = {"steps": None, "error": f"{type(e).__name__}: {e}"[:4000],
+                   "transfer": isinstance(e, TransferError)}
+    got = coord.broadcast(tag, msg, timeout)
+    if error is not None:
+        raise error
+    if got["steps"] is None:
+        cls = TransferError if got.get("transfer") else CheckpointError
+        raise cls(f"rank 0 could not list the steps to resume from: {got['error']}")
+    return [(int(s), str(t)) for s, t in got["steps"]]
 
 
 def agree_outcome(coord: Coordinator, tag: str, step: int, error: Optional[BaseException], fatal: bool,

@@ -38,6 +38,21 @@ def digest_bytes(buf, *, threads: bool = False) -> str:
     return blake3.blake3(buf).hexdigest()
 
 
+def pack_intact(storage, pack_id: str, size: Optional[int] = None, *, unreadable=FileNotFoundError) -> bool:
+    """Whether the stored pack ``pack_id`` is whole: present, ``size`` bytes long (when given) and hashing to its
+    id. Content naming alone does not prove the stored bytes are still good (a pack whose name survived a power
+    loss may hold anything: FORMAT.md "Write order"). A read error of type ``unreadable`` (an exception class or
+    tuple) counts as not intact; any other ``OSError`` is raised."""
+    path = pack_path(pack_id)
+    try:
+        stored = storage.size(path)
+        if stored is None or (size is not None and stored != size):
+            return False
+        return digest_bytes(storage.read_bytes(path), threads=True) == pack_id
+    except unreadable:
+        return False
+
+
 def compress(data: memoryview, level: int) -> bytes:
     # A ZstdCompressor is not safe to share between threads; building one costs microseconds.
     return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(data)
@@ -292,15 +307,10 @@ class BlobStore:
             trusted = pack_id in self._trusted
         if trusted:
             return 0
-        if self.storage.exists(path):
-            try:
-                ok = digest_bytes(self.storage.read_bytes(path), threads=True) == pack_id
-            except OSError:
-                ok = False
-            if ok:
-                with self._lock:
-                    self._trusted.add(pack_id)
-                return 0
+        if pack_intact(self.storage, pack_id, unreadable=OSError):     # any copy it cannot read is replaced
+            with self._lock:
+                self._trusted.add(pack_id)
+            return 0
         payload = read()
         if not self.storage.write_new(path, payload):
             self.storage.write_atomic(path, payload)

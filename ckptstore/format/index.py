@@ -13,8 +13,8 @@ going back to older values, which training does not do. Bounding the index this 
 trusts: it never deduplicates against a chunk that no committed step it has seen references (gc may delete
 such orphans), and before every save it re-checks that the packs it will reference exist.
 
-Large chunks (blobs of their own) are also found by name in ``objects/`` (see :class:`ckptstore.format.blobs.BlobStore`),
-which is how replicated ranks share them.
+Large chunks (blobs of their own) are also found by name in ``objects/`` (see
+:class:`ckptstore.format.blobs.BlobStore`), which is how replicated ranks share them.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import logging
 import threading
 from typing import Dict, Iterable, Optional, Set
 
-from .blobs import digest_bytes
+from .blobs import pack_intact
 from ..util.errors import CheckpointError
 from .layout import pack_path
 from .manifest import ChunkRef
@@ -80,21 +80,14 @@ class ChunkIndex:
                 log.info("chunk index: not using step %d (%s)", step, e)
         # Read from disk, not written by this process: each pack is hashed once before any chunk of it is
         # reused (a pack whose name survived a power loss may hold anything; FORMAT.md "Write order").
-        bad = {p for p in {r.pack for r in refs.values() if r.pack is not None} if not self._pack_intact(p)}
+        packs = {r.pack for r in refs.values() if r.pack is not None}
+        bad = {p for p in packs if not pack_intact(self.storage, p, unreadable=OSError)}
         if bad:
             log.warning("chunk index: %d pack(s) do not hash to their names; their chunks will be written again",
                         len(bad))
             refs = {k: r for k, r in refs.items() if r.pack not in bad}
         with self._lock:
             self._refs, self._loaded = refs, True
-
-    def _pack_intact(self, pack: str) -> bool:
-        path = pack_path(pack)
-        try:
-            size = self.storage.size(path)
-            return size is not None and digest_bytes(self.storage.read_bytes(path), threads=True) == pack
-        except OSError:
-            return False
 
     def replace(self, refs: Iterable[ChunkRef]) -> None:
         """After a commit: the index becomes the chunks of the step just committed."""

@@ -30,7 +30,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import zstandard
 
-from .blobs import compress, decompress_into, digest_bytes, read_verified, zstd_claim_possible, _MIN_ZSTD_GAIN
+from .blobs import (compress, decompress_into, digest_bytes, pack_intact, read_verified, zstd_claim_possible,
+                    _MIN_ZSTD_GAIN)
 from ..util.errors import CorruptCheckpointError, DamagedRead
 from .layout import pack_path
 from .manifest import ChunkRef
@@ -153,9 +154,10 @@ def write_pack(storage, chunks: Sequence[Tuple[str, memoryview]], *, codec: str,
         pack_id = digest_bytes(body, threads=True)
         path = pack_path(pack_id)
         wrote = storage.write_new(path, body)
-        if not wrote and not _intact(storage, path, pack_id, off):
+        if not wrote and not pack_intact(storage, pack_id, off):
             # a pack of this name exists but is damaged (e.g. a flipped bit found on load): never reference
-            # it; replace it with the bytes that hash to its name, atomically
+            # it; replace it with the bytes that hash to its name, atomically (one that cannot be read fails
+            # the save: only a missing file counts as not intact here)
             storage.write_atomic(path, body)
             wrote = True
     finally:
@@ -165,17 +167,6 @@ def write_pack(storage, chunks: Sequence[Tuple[str, memoryview]], *, codec: str,
         buffers.give(buf)
     refs = [ChunkRef(cid, n, used, pack_id, o, k) for cid, n, used, o, k in placed]
     return refs, (off if wrote else 0)
-
-
-def _intact(storage, path: str, pack_id: str, size: int) -> bool:
-    """Whether the stored pack has ``size`` bytes hashing to its id (checked before a save reuses a pack of
-    the same name: content naming alone does not prove the stored bytes are still good)."""
-    try:
-        if storage.size(path) != size:
-            return False
-        return digest_bytes(storage.read_bytes(path), threads=True) == pack_id
-    except FileNotFoundError:
-        return False
 
 
 # -- reading ----------------------------------------------------------------------------------------------------

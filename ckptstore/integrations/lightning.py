@@ -34,13 +34,12 @@ import json
 import logging
 import os
 import pathlib
-import tempfile
 import threading
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
-from ckptstore import CheckpointError, RNGState, Store
+from ckptstore import CheckpointError, RNGState, Store, atomic_file
 
 log = logging.getLogger("ckptstore.lightning")
 
@@ -178,29 +177,9 @@ def write_stub(path, root: str, step: int) -> None:
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     data = json.dumps({"format": STUB_FORMAT, "root": root, "step": int(step)}).encode()
-    with _stub_dir_lock(d):
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=_STUB_TMP_PREFIX, suffix=_STUB_TMP_SUFFIX)
-        try:
-            os.fchmod(fd, 0o644)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-    try:
-        dfd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
+    with _stub_dir_lock(d), atomic_file(path, prefix=_STUB_TMP_PREFIX, suffix=_STUB_TMP_SUFFIX) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(data)
 
 
 # -- the dict Lightning hands over ---------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ shape, bytes), and only then renamed to ``out``: a failed or interrupted export 
 from __future__ import annotations
 
 import os
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -23,6 +22,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..format.blobs import BlobStore
+from ..storage.local import atomic_file
 from ..util.errors import CheckpointError
 from .reader import read_nodes
 from .restore import StepLoader
@@ -142,11 +142,7 @@ def export_step(store, out, *, step: Optional[int] = None, key: str = "model",
         if t.untyped_storage().nbytes() != t.numel() * t.element_size():
             t = t.clone()                             # a view into a larger buffer: write only its bytes
         clean[name] = t
-    directory = os.path.dirname(os.path.abspath(out))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(out) + ".tmp-", dir=directory)
-    os.close(fd)
-    try:
+    with atomic_file(out) as tmp:
         _write(clean, tmp, fmt, {"ckptstore_step": str(step), "ckptstore_key": key})
         back = _read(tmp, fmt)
         if set(back) != set(clean):
@@ -154,14 +150,5 @@ def export_step(store, out, *, step: Optional[int] = None, key: str = "model",
         for name, t in clean.items():
             if not _same(t, back[name]):
                 raise CheckpointError(f"export to {out}: tensor {name!r} reads back differently")
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
     return ExportReport(step=step, path=out, format=fmt, tensors=len(clean),
                         bytes=sum(t.numel() * t.element_size() for t in clean.values()), skipped=skipped)

@@ -29,8 +29,8 @@ def read_nodes(blobs: BlobStore, manifest: Manifest, *, executor: Executor, map_
     ``map_location``: ``"cpu"`` (default), a device, ``None`` (each tensor to the device it was saved from
     when that device exists here, else CPU), or a callable ``(tensor, saved_device) -> tensor``.
     ``select(path) -> bool`` limits loading to some key paths (their containers are kept).
-    ``share``: a :class:`ckptstore.distributed.fanout.Session` (a rank of a job at resume): chunks every rank needs are read
-    by one rank and received by the others (collective: every rank of the job calls this for the step).
+    ``share``: a :class:`ckptstore.distributed.fanout.Session` (a rank of a job at resume): chunks every rank needs
+    are read by one rank and received by the others (collective: every rank of the job calls this for the step).
     Raises ``CorruptCheckpointError`` naming the step, the key and the blob of the first bad chunk.
     """
     chosen = [m for m in manifest.nodes if select is None or not m.path or select(m.path)]

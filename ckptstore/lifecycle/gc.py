@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional, Set
+from typing import Iterable, List, Optional, Set, Tuple
 
 from ..util.errors import CheckpointError
 from ..format.layout import (OBJECTS, PACKS, RETIRED, STEPS, check_blob_id, commit_path, manifest_path, pack_path,
@@ -111,13 +111,6 @@ def _collect(storage, catalog, blobs, report, deleter, grace_seconds, force, kee
         m = storage.mtime(path)
         return m is None or now - m >= grace_seconds
 
-    def linked(path: str) -> bool:
-        if storage.is_link(path):
-            log.warning("gc: %s/%s is a symbolic link: not following it (nothing under it is deleted)",
-                        storage.url, path)
-            return True
-        return False
-
     def delete(path: str) -> None:
         if not dry_run:
             deleter.check()
@@ -126,10 +119,10 @@ def _collect(storage, catalog, blobs, report, deleter, grace_seconds, force, kee
 
     committed = catalog.committed_steps()
     kept_asides = []
-    if not linked(STEPS):
+    if not _linked(storage, STEPS):
         for a in asides(storage):
             path = f"{STEPS}/{a.name}"
-            if linked(path):
+            if _linked(storage, path):
                 continue
             if a.since is not None and now - a.since < max(grace_seconds, ASIDE_SECONDS):
                 kept_asides.append(a)
@@ -143,7 +136,7 @@ def _collect(storage, catalog, blobs, report, deleter, grace_seconds, force, kee
             if step in committed or (keep_steps and step in keep_steps):
                 continue
             sd = step_dir(step)
-            if linked(sd):
+            if _linked(storage, sd):
                 continue
             names = storage.listdir(sd)
             if all(old(f"{sd}/{n}") for n in names) and old(sd):
@@ -181,10 +174,10 @@ def _collect(storage, catalog, blobs, report, deleter, grace_seconds, force, kee
 
     # manifests and shard maps a commit marker no longer names (a re-save or repack replaced them), once the
     # marker is old
-    if not linked(STEPS):
+    if not _linked(storage, STEPS):
         for step in committed:
             sd = step_dir(step)
-            if linked(sd) or not old(commit_path(step)):
+            if _linked(storage, sd) or not old(commit_path(step)):
                 continue
             try:
                 commit = catalog.read_commit(step)
@@ -209,38 +202,13 @@ def _collect(storage, catalog, blobs, report, deleter, grace_seconds, force, kee
         except ValueError:
             continue
 
-    def sweep_dir(top: str, parse, live_ids: Set[str]) -> List[str]:
-        """Delete stale temp files under ``top/<prefix>/`` and, when sweeping, files whose id (``parse(name)``
-        -> id or None) is not live and older than the grace. Returns the ids of the deleted files."""
-        deleted = []
-        if linked(top):
-            return deleted
-        for prefix in storage.listdir(top):
-            if linked(f"{top}/{prefix}"):
-                continue
-            for name in storage.listdir(f"{top}/{prefix}"):
-                path = f"{top}/{prefix}/{name}"
-                if storage.is_link(path):
-                    continue
-                obj_id = parse(name)
-                if obj_id is None:
-                    if ".tmp-" in name and old(path):
-                        report.temp_files_removed += 1
-                        delete(path)
-                    continue
-                if not sweep or obj_id in live_ids or not old(path):
-                    continue
-                if obj_id in retired and now - retired[obj_id] < grace_seconds:
-                    continue                      # replaced by a repack: readers in flight may still read it
-                report.bytes_freed += storage.size(path) or 0
-                deleted.append(obj_id)
-                delete(path)
-        return deleted
+    def spare(path: str, obj_id: str) -> bool:
+        """Unreferenced but kept still: younger than the grace, or a pack a repack replaced too recently
+        (readers in flight may still read it)."""
+        return not old(path) or (obj_id in retired and now - retired[obj_id] < grace_seconds)
 
-    dead_blobs = sweep_dir(OBJECTS, lambda n: (parse_blob_name(n) or (None,))[0], live)
-    report.blobs_deleted = len(dead_blobs)
-    gone = sweep_dir(PACKS, parse_pack_name, live_packs)
-    report.packs_deleted = len(gone)
+    dead_blobs, gone = sweep_objects(storage, report, live, live_packs, delete, sweep=sweep, spare=spare,
+                                     stale_temp=old)
     if not dry_run:
         for pack_id in retired:                   # notes of packs that are gone (now or before)
             if pack_id in gone or not storage.exists(pack_path(pack_id)):
@@ -249,3 +217,52 @@ def _collect(storage, catalog, blobs, report, deleter, grace_seconds, force, kee
             blobs.forget(blob_id)
     if gone and index is not None and not dry_run:
         index.forget(packs=gone)
+
+
+def sweep_objects(storage, report: GCReport, live: Set[str], live_packs: Set[str], delete, *, sweep: bool = True,
+                  spare=None, stale_temp=None) -> Tuple[List[str], List[str]]:
+    """Delete, through ``delete(path)``, the blobs under ``objects/`` whose id is not in ``live`` and the packs
+    under ``packs/`` whose id is not in ``live_packs`` (none when ``sweep`` is false); count them (and their
+    bytes) into ``report``. ``spare(path, id)``: whether an unreferenced file is kept still (gc: its grace
+    period, retired packs); ``stale_temp(path)``: whether a temp file found there is deleted (``None``: temp
+    files are left alone). A symbolic link is never followed nor deleted. Returns the ids deleted
+    ``(blobs, packs)``. Used by :func:`collect` and by the memory tier's sweep
+    (:func:`ckptstore.memtier.memory.sweep`)."""
+
+    def sweep_dir(top: str, parse, live_ids: Set[str]) -> List[str]:
+        deleted: List[str] = []
+        if _linked(storage, top):
+            return deleted
+        for prefix in storage.listdir(top):
+            if _linked(storage, f"{top}/{prefix}"):
+                continue
+            for name in storage.listdir(f"{top}/{prefix}"):
+                path = f"{top}/{prefix}/{name}"
+                if storage.is_link(path):
+                    continue
+                obj_id = parse(name)
+                if obj_id is None:
+                    if stale_temp is not None and ".tmp-" in name and stale_temp(path):
+                        report.temp_files_removed += 1
+                        delete(path)
+                    continue
+                if not sweep or obj_id in live_ids or (spare is not None and spare(path, obj_id)):
+                    continue
+                report.bytes_freed += storage.size(path) or 0
+                deleted.append(obj_id)
+                delete(path)
+        return deleted
+
+    dead_blobs = sweep_dir(OBJECTS, lambda n: (parse_blob_name(n) or (None,))[0], live)
+    report.blobs_deleted += len(dead_blobs)
+    dead_packs = sweep_dir(PACKS, parse_pack_name, live_packs)
+    report.packs_deleted += len(dead_packs)
+    return dead_blobs, dead_packs
+
+
+def _linked(storage, path: str) -> bool:
+    """Whether ``path`` is a symbolic link (logged: nothing under it is followed or deleted)."""
+    if storage.is_link(path):
+        log.warning("gc: %s/%s is a symbolic link: not following it (nothing under it is deleted)", storage.url, path)
+        return True
+    return False

@@ -15,8 +15,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Set
 
-from ..lifecycle.gc import GCReport, referenced
-from ..format.layout import GC_EPOCH, OBJECTS, PACKS, parse_blob_name, parse_manifest_name, parse_pack_name, step_dir
+from ..lifecycle.gc import GCReport, referenced, sweep_objects
+from ..format.layout import GC_EPOCH, parse_manifest_name, step_dir
 from ..format.manifest import decode_manifest
 from ..orchestration.options import _count
 
@@ -87,6 +87,15 @@ class Memory:
         if n < 1 or world_size % n:
             raise ValueError(f"Memory: {n} ranks per node does not divide world_size={world_size}")
         return n
+
+
+def check_memory_option(memory, read_only: bool) -> None:
+    """``Store(memory=)`` checked before anything is opened: ``None`` or a :class:`Memory` (else ``TypeError``),
+    and not with ``read_only`` (``ValueError``: the memory tier is for a store that saves)."""
+    if memory is not None and not isinstance(memory, Memory):
+        raise TypeError(f"memory must be a ckptstore.Memory, got {type(memory).__name__}")
+    if memory is not None and read_only:
+        raise ValueError("memory= is for a store that saves: not with read_only=True")
 
 
 def root_usage(path: str) -> int:
@@ -160,9 +169,10 @@ def sweep(storage, catalog, lock: NodeLock) -> int:
     """Delete the blobs and packs of the memory root that no step references, under ``lock`` held
     exclusive: every committed step's manifests, and those of the steps in flight (directories newer than the
     newest committed step: with the lock held, their manifests are whole) count; uncommitted directories older
-    than the newest committed step (a step whose replication or commit failed) go. Returns bytes freed."""
-    freed = 0
-    deleted = False
+    than the newest committed step (a step whose replication or commit failed) go. No grace period, gc lease or
+    temp-file rule of :func:`ckptstore.lifecycle.gc.collect` applies: the lock alone keeps every write phase out.
+    Returns bytes freed."""
+    removed = False
     with lock.exclusive():
         committed = catalog.committed_steps()
         newest = committed[-1] if committed else -1
@@ -173,7 +183,7 @@ def sweep(storage, catalog, lock: NodeLock) -> int:
                 continue
             if step < newest:
                 storage.rmtree(step_dir(step))
-                deleted = True
+                removed = True
                 continue
             for name in storage.listdir(step_dir(step)):           # a step in flight
                 parsed = parse_manifest_name(name)
@@ -187,19 +197,8 @@ def sweep(storage, catalog, lock: NodeLock) -> int:
         more_live, more_packs = referenced(catalog, committed, report)
         if report.unreadable_steps:
             return 0                                   # cannot tell what they reference: sweep nothing
-        live |= more_live
-        packs |= more_packs
-        for top, parse, keep in ((OBJECTS, lambda n: (parse_blob_name(n) or (None,))[0], live),
-                                 (PACKS, parse_pack_name, packs)):
-            for prefix in storage.listdir(top):
-                for name in storage.listdir(f"{top}/{prefix}"):
-                    oid = parse(name)
-                    if oid is None or oid in keep:
-                        continue
-                    path = f"{top}/{prefix}/{name}"
-                    freed += storage.size(path) or 0
-                    storage.delete(path)
-                    deleted = True
-        if deleted:                 # savers drop what they believed present (checked in their write phase)
+        sweep_objects(storage, report, live | more_live, packs | more_packs, storage.delete)
+        if removed or report.blobs_deleted or report.packs_deleted:
+            # savers drop what they believed present (checked in their write phase)
             storage.write_atomic(GC_EPOCH, (uuid.uuid4().hex + "\n").encode())
-    return freed
+    return report.bytes_freed

@@ -4,9 +4,9 @@ memory commit, promotion to disk in commit order, capacity, and resume across ev
 Data still flows one way: state -> memory root (chunks, packs, manifest) -> peers' memory roots (replicas) ->
 memory commit marker -> (every ``disk_every``-th step) disk root, copied as stored -> disk commit marker ->
 (every ``Remote.every``-th disk step) the remote, by the uploader. A :class:`MemoryTier` owns the memory root's
-:class:`~ckptstore.orchestration.parts.Parts`, its :class:`~ckptstore.orchestration.saving.Saver` (with replication as its
-``before_commit`` step) and :class:`~ckptstore.orchestration.loading.Loader`; the disk store's saver promotes, the disk
-store's loader is the fallback of :meth:`MemoryTier.resume`.
+:class:`~ckptstore.orchestration.parts.Parts`, its :class:`~ckptstore.orchestration.saving.Saver` (with replication
+as its ``before_commit`` step) and :class:`~ckptstore.orchestration.loading.Loader`; the disk store's saver
+promotes, the disk store's loader is the fallback of :meth:`MemoryTier.resume` and :meth:`MemoryTier.resolve`.
 
 Resume order (FORMAT.md "The memory tier"): the newest memory step that the nodes' memory roots hold whole
 between them (every saved rank's part in some root, under one commit marker) and that is not older than any
@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from ..format.blobs import digest_bytes
 from ..distributed.commit import root_identity
@@ -83,8 +83,9 @@ class MemoryTier:
     # -- saving ---------------------------------------------------------------------------------------------
     def save(self, state: Mapping[str, Any], step: int, *, metrics, blocking: bool, names, replicated):
         """``Store.save`` with a memory tier: ``None`` when ``step`` is due for no tier; else the memory save's
-        :class:`~ckptstore.orchestration.saving.SaveResult` / :class:`~ckptstore.orchestration.saving.SaveHandle`. A disk step is queued
-        for promotion once its memory commit succeeded. Raises a failed promotion's error once."""
+        :class:`~ckptstore.orchestration.saving.SaveResult` / :class:`~ckptstore.orchestration.saving.SaveHandle`. A
+        disk step is queued for promotion once its memory commit succeeded. Raises a failed promotion's error
+        once."""
         self.raise_if_failed()
         if not self.m.due(step):
             return None
@@ -337,13 +338,12 @@ class MemoryTier:
             choice = {"found": self._choose_local(reports), "leaders": sorted(_leaders(reports))}
         return coord.broadcast(f"{tag}/choice", choice, self.p.collective_timeout)
 
-    def resume(self, state, *, strict: bool, rank_local: str,
-               fallback: Callable[..., Optional[int]]) -> Optional[int]:
+    def resume(self, state, *, strict: bool, rank_local: str) -> Optional[int]:
         """``Store.resume`` with a memory tier (see the module docstring): the newest memory step held whole by
-        the nodes, rebuilt where a node lost it; else ``fallback`` (the disk store's resume, which sets aside the
+        the nodes, rebuilt where a node lost it; else the disk store's resume (``disk_loader``: it sets aside the
         disk roots' committed steps newer than the step it resumed, see
-        :meth:`~ckptstore.orchestration.loading.Loader.set_aside_newer`). Either way memory steps newer than the step resumed
-        are dropped (a new timeline starts there: none of them is whole on the nodes)."""
+        :meth:`~ckptstore.orchestration.loading.Loader.set_aside_newer`). Either way memory steps newer than the
+        step resumed are dropped (a new timeline starts there: none of them is whole on the nodes)."""
         self.saver.wait()
         self.wait_for_promotions()           # they use the disk store's collectives: none may run beside resume
         choice = self.choose()
@@ -355,7 +355,7 @@ class MemoryTier:
                 # no disk root holds a newer step (the choice refuses memory steps older than any rank's disk)
                 self._drop_newer(got, leaders)
                 return got
-        step = fallback(state, strict=strict, rank_local=rank_local)
+        step = self.disk_loader.resume(state, strict=strict, rank_local=rank_local)
         if step is None and self.loader._touched and self.disk_loader.resumed_from is None:
             raise CheckpointError(f"memory step {found['step'] if found else '?'} partly overwrote sharded (DTensor) "
                                   "values before it was found damaged, and no other step loads into them: "
@@ -437,14 +437,20 @@ class MemoryTier:
         log.info("resumed memory step %d (%d bytes rebuilt from peers)", got, stats.bytes_received)
         return got
 
-    def resolve(self, fallback: Callable[[], Any]):
+    def restore(self, state, step: Optional[int], **kw) -> int:
+        """``Store.restore`` with a memory tier: the disk store's (``disk_loader``), once the promotions queued
+        are done (they use the disk store's collectives, as restore does)."""
+        self.wait_for_promotions()
+        return self.disk_loader.restore(state, step, **kw)
+
+    def resolve(self):
         """``Store.resolve`` with a memory tier: ``(step, "memory")`` when resume would take a memory step
-        (whole between the nodes; its chunks are verified by the load), else ``fallback()``."""
+        (whole between the nodes; its chunks are verified by the load), else the disk store's ``resolve()``."""
         choice = self.choose()
         found = choice.get("found") if self.p.coord is not None else choice
         if found is not None:
             return int(found["step"]), "memory"
-        return fallback()
+        return self.disk_loader.resolve()
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     def close(self) -> None:

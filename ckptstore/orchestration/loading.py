@@ -3,9 +3,9 @@ nested dict (``load``) or into ``state`` in place (``restore``, ``resume``), fro
 ``load_path``.
 
 :class:`Loader` wires the pure pieces to one store's parts: the candidate walk and the ranks' agreement
-(:mod:`ckptstore.distributed.resume`), the tiers (:mod:`ckptstore.remote.resolve`), reading a step for any world size and mesh
-(:mod:`ckptstore.io.restore`), Hub-format weights (:mod:`ckptstore.io.hub`). A remote step is pulled through the
-``pull`` callable it is given (:meth:`ckptstore.orchestration.maintenance.Maintenance.pull_step`).
+(:mod:`ckptstore.distributed.resume`), the tiers (:mod:`ckptstore.remote.resolve`), reading a step for any world
+size and mesh (:mod:`ckptstore.io.restore`), Hub-format weights (:mod:`ckptstore.io.hub`). A remote step is pulled
+through the ``pull`` callable it is given (:meth:`ckptstore.orchestration.maintenance.Maintenance.pull_step`).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from ..distributed.fanout import PeerReadError, ReadOnce
 from ..format.layout import check_step, manifest_path
 from ..format.manifest import Commit
 from .parts import Parts, quiet
-from ..format.pointers import point_away_from
+from ..format.pointers import point_away_from, read_latest
 from ..io.reader import MapLocation, read_nodes
 from ..remote.resolve import candidates, split_load_path
 from ..io.restore import StepLoader
@@ -60,6 +60,8 @@ class Loader:
         # rank 0, during a resume: the newest step its candidate listing saw when that listing reached the remote
         # (None: no remote, or unreachable); the remote's steps above it were never tried, and are left alone
         self._listed_upto: Optional[int] = None
+        # the step resolve() chose, and the newest remote step its listing saw (for restore's set-aside)
+        self._resolved: Optional[Tuple[int, Optional[int]]] = None
 
     # -- listing and choosing -----------------------------------------------------------------------------
     def remote_reader(self) -> Tuple[Catalog, BlobStore]:
@@ -85,26 +87,57 @@ class Loader:
         return self._listing(Catalog(p.remote_storage, p.decoded) if p.remote_storage else None)[0]
 
     def _listing(self, remote_catalog: Optional[Catalog], newest_only: bool = False) -> Tuple[List[Tier], bool]:
-        """``(candidates newest first, remote reachable)`` (:func:`ckptstore.remote.resolve.candidates`); an unreachable
-        remote is logged and the local steps alone are listed: it must not block a local resume."""
+        """``(candidates newest first, remote reachable)`` (:func:`ckptstore.remote.resolve.candidates`). The
+        remote is listed in ONE attempt while local steps exist: an unreachable remote is logged and the local
+        steps alone are listed (it must not hold up a local resume for the whole deadline). With no local
+        step, the listing is retried for the retry policy's whole deadline and, failing that, raises
+        :class:`~ckptstore.util.errors.TransferError`: the remote may hold the run's steps, so resume never
+        starts the run fresh because the remote could not be listed (README "Resume order")."""
+        def listing():
+            return list(candidates(self.p.catalog, remote_catalog, newest_only=newest_only))
         try:
-            return self._listed_once(lambda: list(candidates(self.p.catalog, remote_catalog,
-                                                             newest_only=newest_only))), True
+            return self._listed_once(listing), True
         except Exception as e:
             if remote_catalog is None:
                 raise
+            local = [(s, "local") for s in reversed(self.p.catalog.committed_steps())]
+            if not local:
+                return self._listed_within_deadline(listing), True
             log.warning("remote %s unreachable (%s: %s): local steps only", self.p.remote_storage.url,
                         type(e).__name__, e)
-            return [(s, "local") for s in reversed(self.p.catalog.committed_steps())], False
+            return local, False
 
-    def _listed_once(self, fn: Callable[[], T]) -> T:
+    def _listed_once(self, fn: Callable[[], T], attempts: Optional[int] = 1) -> T:
         """``fn()``, which lists the remote, as ONE attempt abandoned after the retry policy's ``op_timeout``
         seconds (:meth:`RetryingStorage.call <ckptstore.storage.retrying.RetryingStorage.call>`): an unreachable
-        or silent remote must not hold up a resume from local steps for the whole deadline."""
+        or silent remote must not hold up a resume from local steps for the whole deadline. ``attempts=None``:
+        retried for the policy's deadline (counted from the start of the outage) instead."""
         remote = self.p.remote_storage
         if not isinstance(remote, RetryingStorage):
             return fn()
-        return remote.call(fn, f"list the steps of {remote.url}", attempts=1)
+        return remote.call(fn, f"list the steps of {remote.url}", attempts=attempts)
+
+    def _listed_within_deadline(self, fn: Callable[[], T]) -> T:
+        """:meth:`_listed_once` retried for the deadline; raises :class:`~ckptstore.util.errors.TransferError`
+        naming the remote when it never answers, or at once when it refuses (e.g. denied credentials)."""
+        try:
+            return self._listed_once(fn, attempts=None)
+        except Exception as e:
+            raise self._unlisted(e) from e
+
+    def _unlisted(self, e: BaseException) -> TransferError:
+        return TransferError(f"cannot list the steps of the remote {self.p.remote_storage.url} ({type(e).__name__}: "
+                             f"{e}), and no local step of {self.p.root} loads: resume does not start the run "
+                             "fresh while the remote may hold its steps; run it again once the object store "
+                             "answers (or open the store without its remote to start fresh)")
+
+    def latest_step(self) -> Optional[int]:
+        """The newest local committed step, or ``None`` (see :meth:`ckptstore.store.Store.latest_step`)."""
+        steps = self.p.catalog.committed_steps()
+        pointed = read_latest(self.p.storage)
+        if pointed is not None and pointed in steps and pointed == steps[-1]:
+            return pointed
+        return steps[-1] if steps else None
 
     def find(self, name: str) -> Optional[int]:
         for s, tier in self.candidates():
@@ -146,7 +179,13 @@ class Loader:
         return _retention.best_step(commits.values(), metric=metric, mode=mode)
 
     def resolve(self) -> Optional[Tuple[Optional[int], str]]:
+        """See :meth:`Store.resolve <ckptstore.store.Store.resolve>`. The run's steps are judged by every rank
+        against its own root (its manifest there, else the remote's copy) and agreed as resume agrees
+        (:func:`~ckptstore.distributed.resume.first_valid_step`): a step that some node's disk lacks is not
+        chosen for the whole job. The answer is remembered: :meth:`restore` of that step then sets aside the
+        newer steps it skipped, as :meth:`resume` does."""
         p = self.p
+        self._resolved = None
 
         def usable(s, tier) -> bool:
             try:
@@ -159,23 +198,43 @@ class Loader:
             except TransferError:
                 raise                 # unread, not damaged: never an older step instead (README "Resume order")
             except CheckpointError as e:
-                log.warning("step %d (%s) is not usable: %s", s, tier, e)
+                log.warning("step %d (%s) is not usable on rank %d: %s", s, tier, p.rank, e)
                 return False
 
+        def check(s, tier) -> str:
+            if usable(s, tier):
+                return tier
+            if tier == "local" and p.remote_storage is not None and usable(s, "remote"):
+                return "remote"                   # resume repairs a damaged local step from the remote
+            raise CorruptCheckpointError(f"not usable on rank {p.rank}", step=s)
+        listed: List[int] = []
+
+        def listing() -> List[Tier]:
+            found = self.candidates()
+            listed.extend(s for s, tier in found if tier == "remote")
+            return found
+        found = first_valid_step(listing, check, coord=p.coord, timeout=p.collective_timeout,
+                                 tag=p.coord.next_tag("resolve") if p.coord is not None else None)
+        if found is not None:
+            self._resolved = (found[0], max(listed) if listed else None)
+            return found
+        return self._resolve_load_path()
+
+    def _resolve_load_path(self) -> Optional[Tuple[Optional[int], str]]:
+        """``(step, "load_path")`` (``step`` ``None`` for Hub-format weights) or ``None``: decided by rank 0 and
+        broadcast."""
+        p = self.p
+
         def decide():
-            for s, tier in self.candidates():
-                if usable(s, tier):
-                    return [s, tier]
-                if tier == "local" and p.remote_storage is not None and usable(s, "remote"):
-                    return [s, "remote"]          # resume repairs a damaged local step from the remote
-            if self.load_path is not None:
-                url, step = split_load_path(self.load_path)
-                if step is None and hub.open_weights(url, p.storage_options) is not None:
-                    return [None, "load_path"]
-                catalog = Catalog(open_storage(url, p.storage_options, retry=p.retry))
-                for s in ([step] if step is not None else reversed(catalog.committed_steps())):
-                    if quiet(lambda: catalog.read_commit(s) is not None):
-                        return [s, "load_path"]
+            if self.load_path is None:
+                return None
+            url, step = split_load_path(self.load_path)
+            if step is None and hub.open_weights(url, p.storage_options) is not None:
+                return [None, "load_path"]
+            catalog = Catalog(open_storage(url, p.storage_options, retry=p.retry))
+            for s in ([step] if step is not None else reversed(catalog.committed_steps())):
+                if quiet(lambda: catalog.read_commit(s) is not None):
+                    return [s, "load_path"]
             return None
         if p.coord is None:
             found = decide()
@@ -251,6 +310,12 @@ class Loader:
         if found is None:
             raise FileNotFoundError(f"step {step} is not committed in {self.p.where()}" if step is not None else
                                     f"no valid committed step in {self.p.where()}")
+        resolved, self._resolved = self._resolved, None
+        if resolved is not None and resolved[0] == found[0]:
+            # the step resolve() chose for this run (a trainer's resume: resolve, then restore in stages):
+            # the newer steps it skipped load on no rank, so they are set aside as resume sets them aside
+            self._listed_upto = resolved[1]
+            self.set_aside_newer(found[0])
         return found[0]
 
     def resume(self, state: MutableMapping[str, Any], *, strict: bool, rank_local: str) -> Optional[int]:
@@ -347,6 +412,7 @@ class Loader:
         self.read_once.stats = None
         remote_catalog = Catalog(p.remote_storage, p.decoded) if p.remote_storage is not None else None
         pulled: set = set()
+        unreachable: List[Catalog] = []               # the remote's catalog, once its listing gave up
 
         def list_candidates(newest_only=True):
             nonlocal remote_catalog
@@ -355,8 +421,14 @@ class Loader:
                 return [(step, tier)] if tier is not None else []
             # discovery (rank 0 only, broadcast): the remote's latest pointer and the steps after it, a few
             # requests whatever the number of steps and ranks (issue 19); the whole listing only if none loads
+            if unreachable:              # every local step failed and the remote's listing gave up: list it
+                listed = self._listed_within_deadline(   # for the whole deadline, or raise TransferError
+                    lambda: list(candidates(p.catalog, unreachable[0])))
+                remote_catalog = unreachable.pop()
+                return listed
             listed, reachable = self._listing(remote_catalog, newest_only=newest_only)
             if not reachable:
+                unreachable.append(remote_catalog)
                 remote_catalog = None                 # no repairs from an unreachable remote either
             elif remote_catalog is not None and listed:          # newest first
                 self._listed_upto = max(listed[0][0], -1 if self._listed_upto is None else self._listed_upto)
@@ -460,9 +532,10 @@ class Loader:
 
     def _restore(self, state, catalog, blobs, step, *, strict, check_config, components=None,
                  rank_local: str = "error", commit: Optional[Commit] = None, share=None) -> Commit:
-        """Load ``step`` from ``catalog`` / ``blobs`` into ``state`` (:func:`ckptstore.distributed.resume.restore_into`),
-        checking the run config first; ``commit``: its marker, when the caller read it already (else read once
-        here). Returns the marker. Raises Corrupt/IncompatibleCheckpointError."""
+        """Load ``step`` from ``catalog`` / ``blobs`` into ``state``
+        (:func:`ckptstore.distributed.resume.restore_into`), checking the run config first; ``commit``: its marker,
+        when the caller read it already (else read once here). Returns the marker. Raises
+        Corrupt/IncompatibleCheckpointError."""
         p = self.p
         commit = commit if commit is not None else catalog.read_commit(step)
         if check_config:

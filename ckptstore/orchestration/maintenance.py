@@ -1,10 +1,11 @@
 """Maintenance of one store: retention after each commit and each upload, ``keep_local``, :meth:`gc`,
 :meth:`verify`, :meth:`delete_step` and pulling a remote step into the local root.
 
-Every deletion goes through :func:`ckptstore.lifecycle.retention.apply` / :meth:`ckptstore.format.catalog.Catalog.delete_step`
-(commit marker first) and every sweep through :func:`ckptstore.lifecycle.gc.collect` under the gc lease; here they are
-only scheduled: after a commit (the saver's ``retain`` hand-off), after an upload and once the uploader has
-derived its work (its callbacks), at ``close``, or when asked.
+Every deletion goes through :func:`ckptstore.lifecycle.retention.apply` /
+:meth:`ckptstore.format.catalog.Catalog.delete_step` (commit marker first) and every sweep through
+:func:`ckptstore.lifecycle.gc.collect` under the gc lease; here they are only scheduled: after a commit (the saver's
+``retain`` hand-off), after an upload and once the uploader has derived its work (its callbacks), at ``close``, or
+when asked.
 
 With a remote, retention after a commit spares the local steps whose upload is pending; once no upload needs
 them they follow ``keep`` again: after each upload, at ``close`` (uploads done), and when a restarted writer's
@@ -34,7 +35,7 @@ from ..io.reader import stored_sizes
 from ..state.flatten import path_str
 from ..remote.transfer import StepCopier, TransferStats
 from .options import Remote
-from ..remote.upload import apply_remote_retention
+from ..remote.upload import Uploader, apply_remote_retention, leads_other_root
 
 log = logging.getLogger("ckptstore")
 
@@ -55,6 +56,21 @@ class Maintenance:
         callbacks)."""
         return dict(workers=remote.workers, retry=remote.retry, max_backlog=remote.backlog, every=remote.every,
                     on_uploaded=self.after_upload, on_derived=self.after_derive)
+
+    def open_uploader(self) -> None:
+        """Make this root's uploader, not started yet (it starts after ``resume()``, or at the first save / wait
+        / close: see :meth:`~ckptstore.remote.upload.Uploader.start`), when the store uploads and writes. One
+        uploader per store root: rank 0's, and a parts-only one for each other root, made by its lowest rank at
+        its first commit (see :mod:`ckptstore.orchestration.saving`), or now when this root already shows it is
+        such a root (a restarted job finishing uploads)."""
+        p = self.p
+        if p.remote is None or not p.remote.upload or p.read_only:
+            return
+        p.upload_args = self.upload_args(p.remote)
+        if p.rank == 0:
+            p.uploader = Uploader(p.storage, p.remote_storage, start=False, **p.upload_args)
+        elif leads_other_root(p.catalog, p.storage, p.rank):
+            p.uploader = Uploader(p.storage, p.remote_storage, parts_only=True, start=False, **p.upload_args)
 
     def _needed_by_uploads(self) -> Optional[Set[int]]:
         """The local steps an upload still needs (waiting or being uploaded); ``None`` while the uploader's work

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Tuple
 
 from ..format.blobs import CODECS
 from ..format.packs import Packing
+from ..lifecycle.retention import Retention
+from ..lifecycle.rewind import ON_REWIND
 from ..util.retry import RetryPolicy
 
 DEFAULT_CHUNK_SIZE = 64 << 20
@@ -110,3 +112,20 @@ class Remote:
         if isinstance(remote, (str, os.PathLike)):
             return cls(os.fspath(remote))
         raise TypeError(f"remote must be a URL string or a ckptstore.Remote, got {type(remote).__name__}")
+
+
+def store_options(writing, remote, keep, on_rewind: str) -> Tuple[Writing, Optional[Remote]]:
+    """``Store(writing=, remote=, keep=, on_rewind=)`` checked before anything is opened: returns ``writing``
+    (default ``Writing()``) and ``remote`` (see :meth:`Remote.of`) as objects. Raises ``TypeError`` for a
+    ``writing`` that is no :class:`Writing`, a ``keep`` that is no
+    :class:`~ckptstore.lifecycle.retention.Retention` or a bad ``remote``; ``ValueError`` for an ``on_rewind``
+    not in :data:`~ckptstore.lifecycle.rewind.ON_REWIND`."""
+    writing = writing if writing is not None else Writing()
+    if not isinstance(writing, Writing):
+        raise TypeError(f"writing must be a ckptstore.Writing, got {type(writing).__name__}")
+    remote = Remote.of(remote)
+    if keep is not None and not isinstance(keep, Retention):
+        raise TypeError(f"keep must be a ckptstore.Retention, got {type(keep).__name__}")
+    if on_rewind not in ON_REWIND:
+        raise ValueError(f"on_rewind must be one of {ON_REWIND}, got {on_rewind!r}")
+    return writing, remote

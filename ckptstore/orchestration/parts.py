@@ -1,9 +1,9 @@
 """The parts of one store that its orchestration modules share: storage, catalog, blobs, the chunk index, the
 thread pools, the coordinator of the ranks, the remote and its uploader, and the run's identity.
 
-:class:`~ckptstore.store.Store` builds one :class:`Parts` and hands it to :class:`~ckptstore.orchestration.saving.Saver`,
-:class:`~ckptstore.orchestration.loading.Loader` and :class:`~ckptstore.orchestration.maintenance.Maintenance`; none of them builds a part
-of its own, so each part exists once per store and is released once, by :meth:`Parts.close`.
+:class:`~ckptstore.store.Store` builds one :class:`Parts` and hands it to :class:`~.saving.Saver`,
+:class:`~.loading.Loader` and :class:`~.maintenance.Maintenance`; none of them builds a part of its own, so each
+part exists once per store and is released once, by :meth:`Parts.close`.
 """
 from __future__ import annotations
 

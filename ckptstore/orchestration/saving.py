@@ -3,9 +3,9 @@ the hand-off to retention and to the uploader.
 
 :class:`Saver` runs one save at a time for its store (the non-blocking one on a background thread). It decides
 *how* bytes move (snapshot, :func:`~ckptstore.io.writer.write_arrays`, the commit protocol of
-:mod:`ckptstore.distributed.commit`); *what* a step holds comes from :mod:`ckptstore.state.flatten`; what happens after a commit
-(retention, the sweep) is the ``retain`` callable it is given (:meth:`ckptstore.orchestration.maintenance.Maintenance.
-after_commit`), and uploads are the uploader's.
+:mod:`ckptstore.distributed.commit`); *what* a step holds comes from :mod:`ckptstore.state.flatten`; what happens
+after a commit (retention, the sweep) is the ``retain`` callable it is given
+(:meth:`ckptstore.orchestration.maintenance.Maintenance.after_commit`), and uploads are the uploader's.
 """
 from __future__ import annotations
 
@@ -102,7 +102,8 @@ class Saver:
         #: every rank
         self.before_commit = before_commit
         #: a context manager held while a save decides what to reuse and writes (chunks, packs, manifest,
-        #: ``before_commit``): the memory tier's node lock, against its sweep (:class:`ckptstore.memtier.memory.NodeLock`)
+        #: ``before_commit``): the memory tier's node lock, against its sweep
+        #: (:class:`ckptstore.memtier.memory.NodeLock`)
         self.write_lock = write_lock
         #: ``(step, gen, manifest)`` of the last save this saver committed (on every rank): what a promotion
         #: of that step copies
@@ -174,7 +175,8 @@ class Saver:
 
     @property
     def writer_lease(self):
-        """The root's writer lease once rank 0 holds it (:meth:`~ckptstore.orchestration.parts.Parts.hold_writer_lease`)."""
+        """The root's writer lease once rank 0 holds it
+        (:meth:`~ckptstore.orchestration.parts.Parts.hold_writer_lease`)."""
         return self.p.writer_lease
 
     def _replicated_keys(self, state: Mapping[str, Any], replicated: Iterable[str]) -> List[str]:

@@ -22,15 +22,19 @@ def is_local(url) -> bool:
 
 
 def open_storage(url, storage_options: Optional[dict] = None, *, direct_io: bool = True,
-                 retry: Optional[RetryPolicy] = None) -> Storage:
-    """A path or ``file://`` URL -> :class:`LocalStorage`; any other fsspec URL -> :class:`FsspecStorage`, every
+                 retry: Optional[RetryPolicy] = None, create: bool = True) -> Storage:
+    """A path or ``file://`` URL -> :class:`LocalStorage` (its directory created if missing, unless ``create`` is
+    false: then ``FileNotFoundError``); any other fsspec URL -> :class:`FsspecStorage`, every
     call of which runs under ``retry`` (:class:`~ckptstore.storage.retrying.RetryingStorage`): a per-attempt
     timeout, retries, a deadline. ``retry=None`` (a store opened on a URL root, the command line): one attempt
     per call, bounded by ``RetryPolicy().op_timeout`` seconds and not retried, so a one-shot command against a
     dead endpoint fails at once and against a silent one does not hang."""
     url = os.fspath(url)
     if is_local(url):
-        return LocalStorage(url[len("file://"):] if url.startswith("file://") else url, direct_io=direct_io)
+        path = url[len("file://"):] if url.startswith("file://") else url
+        if not create and not os.path.isdir(path):
+            raise FileNotFoundError(f"no store at {url}")
+        return LocalStorage(path, direct_io=direct_io)
     storage = FsspecStorage(url, storage_options)
     if retry is None:
         return RetryingStorage(storage, RetryPolicy(), attempts=1)

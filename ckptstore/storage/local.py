@@ -7,6 +7,7 @@ its exact length. Filesystems without ``O_DIRECT`` (tmpfs) fall back to buffered
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -15,6 +16,7 @@ import mmap
 import os
 import shutil
 import stat
+import tempfile
 import threading
 import uuid
 from typing import List, Optional
@@ -469,6 +471,40 @@ def syncfs_trusted(path: str) -> bool:
     if os.environ.get("CKPTSTORE_SYNCFS", "") == "0":
         return False
     return filesystem_type(path) in SYNCFS_TRUSTED
+
+
+@contextlib.contextmanager
+def atomic_file(path, *, prefix: Optional[str] = None, suffix: str = ""):
+    """Replace the file ``path`` atomically: yields the path of a new temporary file in ``path``'s directory
+    (``tempfile.mkstemp`` with ``prefix`` and ``suffix``, mode 0o644; the directory is created if missing) for
+    the block to write. When the block returns, the temporary file is fsynced and renamed over ``path``, then
+    the directory is fsynced (best effort: a filesystem that refuses it is not an error); when the block raises,
+    the temporary file is removed and the exception propagates. ``path`` is never seen partly written. Used by
+    :func:`ckptstore.io.export.export` and the Lightning stubs (public: ``ckptstore.atomic_file``)."""
+    path = os.fspath(path)
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=os.path.basename(path) + ".tmp-" if prefix is None else prefix,
+                               suffix=suffix)
+    try:
+        try:
+            os.fchmod(fd, 0o644)
+        finally:
+            os.close(fd)
+        yield tmp
+        fd = os.open(tmp, os.O_RDWR)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quiet(tmp)
+        raise
+    try:
+        _fsync_dir(d)
+    except OSError:
+        pass
 
 
 def _write_loop(fd: int, mv: memoryview) -> None:

@@ -438,6 +438,26 @@ def test_ddp_resumes_from_the_remote_after_the_local_root_is_lost(tmp_path, s3_b
     assert [p.name for p in step_dir(root, 3).glob("manifest-*.g1.msgpack")], sorted(step_dir(root, 3).iterdir())
 
 
+def test_ddp_with_a_lost_root_and_an_unreachable_remote_raises_on_every_rank(tmp_path):
+    """A 2-rank job restarts on empty local roots while its remote refuses every connection: rank 0's listing
+    gives up after the retry deadline and every rank raises TransferError (rank 1 learns it from rank 0's
+    broadcast, without waiting out the collective timeout). Both once started fresh (step None), about to
+    overwrite the run's timeline."""
+    import socket
+    with socket.socket() as sock:                      # a loopback port nobody listens on: connection refused
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    so = json.dumps({"endpoint_url": f"http://127.0.0.1:{port}", "key": "k", "secret": "s"})
+    t0 = time.monotonic()
+    res = run(2, "--mode", "load", "--store", str(tmp_path / "root"), "--remote", "s3://lost-bucket/run", "--so",
+              so, "--upload-deadline", "3", "--timeout", "300")
+    took = time.monotonic() - t0
+    assert [(res[r].get("result"), res[r].get("type")) for r in (0, 1)] == [("error", "TransferError")] * 2, res
+    assert "resume does not start the run fresh" in res[0]["error"], res[0]
+    assert "rank 0 could not list" in res[1]["error"] and "s3://lost-bucket/run" in res[1]["error"], res[1]
+    assert took < 200, took                             # not the 300 s collective timeout
+
+
 def test_ddp_store_repacked_by_gc_resumes_on_2_ranks(tmp_path):
     """Issue 26 item 4: ``ckptstore gc --repack`` rewrites the manifests of the steps whose packs it repacks
     (the same repoint as a ranged pull); on a DDP store whose parts share packs it once dropped ``replicated``

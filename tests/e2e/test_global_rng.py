@@ -69,9 +69,12 @@ def test_no_call_and_no_background_retry_moves_the_global_generators(tmp_path, r
                 unmoved("a failed upload")
                 assert time.monotonic() < deadline, "uploads never got through the faults"
 
-    # GCS clients keep few connections alive: fewer healthy ones, so that enough requests meet a fault
+    # GCS clients keep one connection alive and a save's uploads cross it in well under a second: fewer healthy
+    # connections, each short-lived, so that enough requests meet a fault however fast the uploads go
     weights = (2, 2, 2, 0, 6) if kind == "s3" else (3, 3, 2, 0, 3)
-    with FaultProxy(upstream, seed=26, weights=weights, slowdown_status=503 if kind == "s3" else 429) as proxy:
+    lifetime = (0.3, 2.0) if kind == "s3" else (0.05, 0.3)
+    with FaultProxy(upstream, seed=26, weights=weights, slowdown_status=503 if kind == "s3" else 429,
+                    ok_lifetime=lifetime) as proxy:
         root = tmp_path / "run"
         s = Store(root, remote=Remote(url, retry=retry), storage_options=_through(proxy, opts))
         unmoved("Store(remote=...)")
@@ -81,7 +84,7 @@ def test_no_call_and_no_background_retry_moves_the_global_generators(tmp_path, r
         s.save(_state(1, g), 1)
         unmoved("a blocking save")
         newest = 1
-        for step in range(2, 40):                     # until the proxy has injected a few faults
+        for step in range(2, 80):                     # until the proxy has injected a few faults
             try:
                 s.save(_state(step, g), step, blocking=False)
                 newest = step

@@ -3,13 +3,14 @@ retry policy's deadline (ckptstore/storage/retrying.py), so ``close()`` returns 
 ``deadline + 2 x op_timeout`` seconds, and opening a store and resuming from local steps are bounded too.
 The silence comes from tests/faultproxy.py's ``blackhole`` mode in front of the loopback servers. Each call
 runs in a thread joined with a timeout: a regression fails the test instead of hanging it."""
+import shutil
 import threading
 import time
 
 import pytest
 import torch
 
-from ckptstore import Remote, RetryPolicy, Store, UploadError
+from ckptstore import Remote, RetryPolicy, Store, TransferError, UploadError
 from ckptstore.format.layout import LATEST
 from ckptstore.storage import open_storage
 from faultproxy import FaultProxy
@@ -106,3 +107,40 @@ def test_opening_a_store_and_resuming_from_local_steps_are_bounded_by_a_silent_r
         assert isinstance(raised, UploadError) and f"read_bytes {LATEST}" in str(raised), raised
         print(f"silent S3 endpoint: Store() {took_open:.1f} s, resume {took_resume:.1f} s, close {took_close:.1f} s, "
               f"one read {took_read:.1f} s")
+
+
+@pytest.mark.parametrize("lost", ["root", "chunks"])
+def test_resume_never_starts_fresh_while_a_silent_remote_may_hold_the_steps(tmp_path, s3_bucket_url, lost):
+    """The local root is lost (``root``: a new machine) or holds only steps that no longer load (``chunks``: its
+    objects and packs gone) while the remote stops answering: resume retries the remote's listing for the
+    retry policy's deadline, then raises TransferError naming the remote, touching nothing; it once returned
+    None (a fresh start, whose saves would then race the remote's newer steps). Once the remote answers again,
+    the same call resumes the newest step from it."""
+    url, opts = s3_bucket_url
+    with FaultProxy(_upstream(opts)) as proxy:
+        popts = _through(proxy, opts)
+        with Store(tmp_path / "run", remote=Remote(url, retry=HEALTHY), storage_options=popts) as s:
+            for step in (1, 2):
+                s.save(_state(step), step)
+            s.wait_for_uploads(timeout=60)
+        if lost == "root":
+            shutil.rmtree(tmp_path / "run")
+        else:
+            for d in ("objects", "packs"):
+                shutil.rmtree(tmp_path / "run" / d, ignore_errors=True)
+        proxy.blackhole = True
+        took_open, s = bounded(lambda: Store(tmp_path / "run", remote=Remote(url, retry=policy()),
+                                             storage_options=popts))
+        assert isinstance(s, Store), s
+        target = {"w": torch.zeros(1_000_000), "small": [torch.zeros(256) for _ in range(8)], "step": 0}
+        took, raised = bounded(lambda: s.resume(target))
+        assert isinstance(raised, TransferError), raised
+        assert "resume does not start the run fresh" in str(raised) and url in str(raised), raised
+        assert target["step"] == 0 and not target["w"].any()
+        proxy.blackhole = False
+        took_again, step = bounded(lambda: s.resume(target), limit=120)
+        assert step == 2 and s.resumed_from["tier"] == "remote", (step, s.resumed_from)
+        assert torch.equal(target["w"], _state(2)["w"]) and target["step"] == 2
+        bounded(s.close, limit=120)
+        print(f"silent S3 endpoint, local {lost} lost: resume raised after {took:.1f} s (deadline {DEADLINE} s, "
+              f"op_timeout {OP_TIMEOUT} s)")
