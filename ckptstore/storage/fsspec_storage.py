@@ -308,7 +308,11 @@ class FsspecStorage(BytesReads, Storage):
         self.fs.put_file(local_file, self._p(path))
 
     def listdir(self, path: str) -> List[str]:
+        """S3: one ListObjectsV2 (a page per 1,000 names; s3fs's ``ls`` lists the parent too when a prefix is
+        empty, two requests for every empty directory); other backends: ``fs.ls``."""
         try:
+            if self._protocol in ("s3", "s3a"):
+                return self._s3_names(path)
             entries = self.fs.ls(self._p(path), detail=False, refresh=True)
         except (FileNotFoundError, NotADirectoryError):
             return []
@@ -325,9 +329,16 @@ class FsspecStorage(BytesReads, Storage):
         request however many steps the store holds); other backends: :meth:`listdir`, filtered."""
         if self._protocol not in ("s3", "s3a"):
             return super().listdir_after(path, after)
+        return [n for n in self._s3_names(path, after) if n > after]
+
+    def _s3_names(self, path: str, after: Optional[str] = None) -> List[str]:
+        """The names directly under ``path`` (objects and common prefixes), sorted, by ListObjectsV2 pages; with
+        ``after``, from ``StartAfter=<after>~`` on."""
         bucket, key, _ = self.fs.split_path(self._p(path))
         prefix = key.rstrip("/") + "/" if key else ""
-        names, kw = [], dict(Bucket=bucket, Prefix=prefix, Delimiter="/", StartAfter=f"{prefix}{after}~")
+        names, kw = [], dict(Bucket=bucket, Prefix=prefix, Delimiter="/")
+        if after is not None:
+            kw["StartAfter"] = f"{prefix}{after}~"
         while True:
             resp = self.fs.call_s3("list_objects_v2", **kw)
             names += [c["Prefix"][len(prefix):].rstrip("/") for c in resp.get("CommonPrefixes", [])]
@@ -336,7 +347,7 @@ class FsspecStorage(BytesReads, Storage):
                 break
             kw["ContinuationToken"] = resp["NextContinuationToken"]
             kw.pop("StartAfter", None)
-        return sorted(n for n in names if n and "/" not in n and n > after)
+        return sorted(n for n in names if n and "/" not in n)
 
     def list_sizes(self, path: str) -> Optional[dict]:
         """S3: ListObjectsV2 of the prefix (a page per 1,000 objects), names with their sizes."""

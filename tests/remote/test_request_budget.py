@@ -163,3 +163,35 @@ def test_replicas_on_several_nodes_put_a_shared_blob_once(tmp_path, s3_bucket_ur
     puts = [t for m, t in got["requests_save1"] if m == "PUT" and "/objects/" in t]
     assert len(puts) == 1, puts
     assert got["resumed_step"] == 1
+
+
+def test_one_process_lists_the_remote_once_per_start(tmp_path, s3_bucket_url, proxy):
+    """A first save into an empty remote lists it once (its rewind check's listing is the uploader's start:
+    one GET of the latest pointer, one LIST); after a resume, the resume and the uploader's start list it once
+    each, and the next save's rewind check waits for the uploader's listing instead of making its own."""
+    import torch
+
+    from ckptstore import Remote, Store
+    url, so = s3_bucket_url
+    so = dict(so, endpoint_url=proxy.endpoint)
+    state = {"w": torch.arange(1000.0), "step": 0}
+
+    def pointer_reads_and_lists(since):
+        reqs = proxy.requests[since:]
+        return sum(1 for m, t in reqs if m == "GET" and t.split("?")[0].endswith("/latest")), len(lists(reqs))
+
+    n = len(proxy.requests)
+    s = Store(tmp_path / "a", remote=Remote(url), storage_options=so)
+    s.save(state, 1)
+    s.wait_for_uploads(timeout=60)
+    s.close()
+    # the listing's pointer read and LIST, then the pointer move's read (create-only pointers are read first)
+    assert pointer_reads_and_lists(n) == (2, 1), proxy.requests[n:]
+
+    n = len(proxy.requests)
+    s = Store(tmp_path / "b", remote=Remote(url), storage_options=so)
+    assert s.resume(state) == 1
+    s.save(dict(state, w=torch.arange(1000.0) + 1), 2)
+    s.wait_for_uploads(timeout=60)
+    s.close()
+    assert pointer_reads_and_lists(n) == (3, 2), proxy.requests[n:]
