@@ -69,6 +69,7 @@ class Maintenance:
         p.upload_args = self.upload_args(p.remote)
         if p.rank == 0:
             p.uploader = Uploader(p.storage, p.remote_storage, start=False, **p.upload_args)
+            p.uploader.prefetch()                # the first save's rewind check, listed off the save's path
         elif leads_other_root(p.catalog, p.storage, p.rank):
             p.uploader = Uploader(p.storage, p.remote_storage, parts_only=True, start=False, **p.upload_args)
 

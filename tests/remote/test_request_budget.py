@@ -166,9 +166,12 @@ def test_replicas_on_several_nodes_put_a_shared_blob_once(tmp_path, s3_bucket_ur
 
 
 def test_one_process_lists_the_remote_once_per_start(tmp_path, s3_bucket_url, proxy):
-    """A first save into an empty remote lists it once (its rewind check's listing is the uploader's start:
-    one GET of the latest pointer, one LIST); after a resume, the resume and the uploader's start list it once
-    each, and the next save's rewind check waits for the uploader's listing instead of making its own."""
+    """A first save into an empty remote lists it once, and not on the save's path: opening the store lists it
+    in the background (one GET of the latest pointer, one LIST), the save's rewind check and the uploader's
+    start take that listing. After a resume, the store's listing and the resume's own are the two; the
+    uploader's start and the next save's rewind check take the first."""
+    import time
+
     import torch
 
     from ckptstore import Remote, Store
@@ -182,7 +185,12 @@ def test_one_process_lists_the_remote_once_per_start(tmp_path, s3_bucket_url, pr
 
     n = len(proxy.requests)
     s = Store(tmp_path / "a", remote=Remote(url), storage_options=so)
+    deadline = time.monotonic() + 30
+    while not lists(proxy.requests[n:]) and time.monotonic() < deadline:     # the store's background listing
+        time.sleep(0.05)
+    before_save = len(proxy.requests)
     s.save(state, 1)
+    assert lists(proxy.requests[n:before_save]), "the store listed nothing before its first save"
     s.wait_for_uploads(timeout=60)
     s.close()
     # the listing's pointer read and LIST, then the pointer move's read (create-only pointers are read first)
