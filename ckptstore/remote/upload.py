@@ -332,6 +332,9 @@ class Uploader:
         dropped, newest = truncate_steps(self.remote, after, call=self.copier.call)
         self.remote_newest = newest
         with self._cond:
+            self._listing = None                     # listed before the truncation: the derive lists again
+            if self._listed is not None:
+                self._listed = (newest,)
             for s in mine:
                 self._deletes.pop(s, None)
                 self._deferred.discard(s)

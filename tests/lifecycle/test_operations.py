@@ -321,6 +321,30 @@ def test_truncate_drops_later_steps_on_the_remote_too(tmp_path, request, kind):
     assert remote_pointer(target) == 4
 
 
+@pytest.mark.parametrize("kind", ["s3"])
+def test_a_process_whose_first_save_truncates_uploads_that_step(tmp_path, request, kind):
+    """The first save of a new process rewinds (``on_rewind="truncate"``) right after the store opened: the
+    remote listing the store made when it opened (and the rewind check used) predates the truncation; the
+    re-saved step is uploaded, the remote's pointer names it, and a new node resumes it."""
+    target = request.getfixturevalue(f"{kind}_bucket_url")
+    root = tmp_path / "run"
+    with Store(root, writing=Writing(packing=SMALL), **remote_kw(target)) as s:
+        for step in range(1, 6):
+            s.save(state_at(step), step)
+        s.wait_for_uploads(timeout=120)
+    with Store(root, writing=Writing(packing=SMALL), on_rewind="truncate", **remote_kw(target)) as s:
+        new = state_at(303)
+        s.save(new, 3)
+        s.wait_for_uploads(timeout=120)
+    assert remote_pointer(target) == 3
+    with remote_store(target) as r:
+        assert r.steps() == [1, 2, 3] and r.verify() == {1: None, 2: None, 3: None}
+    shutil.rmtree(root)
+    with Store(root, **remote_kw(target)) as s:
+        state = {"w": None, "small": None, "step": None}
+        assert s.resume(state) == 3 and torch.equal(state["w"], new["w"])
+
+
 # -- the run id -------------------------------------------------------------------------------------------------
 def test_run_id_survives_sigkill_and_resume_locally(tmp_path):
     root = tmp_path / "run"
