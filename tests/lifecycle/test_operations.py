@@ -292,14 +292,17 @@ def test_rewind_is_refused_by_default_and_truncate_drops_later_steps_locally(tmp
         assert s.verify() == {i: None for i in (1, 2, 3, 4)}
 
 
-@pytest.mark.parametrize("kind", ["s3", "gcs"])
-def test_truncate_drops_later_steps_on_the_remote_too(tmp_path, request, kind):
-    target = request.getfixturevalue(f"{kind}_bucket_url")
-    root = tmp_path / "run"
+def _five_steps_uploaded(root, target):
     with Store(root, writing=Writing(packing=SMALL), **remote_kw(target)) as s:
         for step in range(1, 6):
             s.save(state_at(step), step)
         s.wait_for_uploads(timeout=120)
+
+
+@pytest.mark.parametrize("kind", ["s3", "gcs"])
+def test_truncate_drops_later_steps_on_the_remote_too(tmp_path, request, kind):
+    target, root = request.getfixturevalue(f"{kind}_bucket_url"), tmp_path / "run"
+    _five_steps_uploaded(root, target)
     assert remote_pointer(target) == 5
     with Store(root, writing=Writing(packing=SMALL), on_rewind="truncate", **remote_kw(target)) as s:
         s.save(state_at(5), 5)                                      # re-saving the newest step: a new generation
@@ -326,12 +329,8 @@ def test_a_process_whose_first_save_truncates_uploads_that_step(tmp_path, reques
     """The first save of a new process rewinds (``on_rewind="truncate"``) right after the store opened: the
     remote listing the store made when it opened (and the rewind check used) predates the truncation; the
     re-saved step is uploaded, the remote's pointer names it, and a new node resumes it."""
-    target = request.getfixturevalue(f"{kind}_bucket_url")
-    root = tmp_path / "run"
-    with Store(root, writing=Writing(packing=SMALL), **remote_kw(target)) as s:
-        for step in range(1, 6):
-            s.save(state_at(step), step)
-        s.wait_for_uploads(timeout=120)
+    target, root = request.getfixturevalue(f"{kind}_bucket_url"), tmp_path / "run"
+    _five_steps_uploaded(root, target)
     with Store(root, writing=Writing(packing=SMALL), on_rewind="truncate", **remote_kw(target)) as s:
         new = state_at(303)
         s.save(new, 3)
