@@ -85,7 +85,6 @@ class Uploader:
         # that listing when it succeeded: (newest[:1], step directories seen, when); the first _derive takes it
         # instead of listing again, if at most LISTING_REUSE_SECONDS old (3 requests of a first save's 20 on S3)
         self._listing: Optional[Tuple[List[int], List[int], float]] = None
-        self._derives = 0
         self._prefetching = False                    # prefetch()'s listing is under way
         self._cond = threading.Condition()
         self._closing = False
@@ -366,17 +365,16 @@ class Uploader:
         Pending deletions = the intents in the local root for this remote (:mod:`ckptstore.format.intents`), except
         those of a step committed locally: that deletion never returned (killed before the local commit marker
         went) or the step was committed again since; the intent is void and removed."""
-        with self._cond:
+        with self._cond:                             # set only before the uploader started: the first derive's
             listing, self._listing = self._listing, None
-            first, self._derives = self._derives == 0, self._derives + 1
-        if listing is not None and first and time.monotonic() - listing[2] <= LISTING_REUSE_SECONDS:
+        if listing is not None and time.monotonic() - listing[2] <= LISTING_REUSE_SECONDS:
             newest, seen, _ = listing                # listed just before the uploader started (newest_remote)
         else:
             seen = []
             newest = self.copier.call(lambda: Catalog(self.remote).newest_committed(_cleared(seen))[0][:1],
                                       "list remote steps", fresh=True)   # after a reported failure: a whole deadline
             with self._cond:
-                if first and self._listed is None:   # a save waiting in newest_remote takes it
+                if self._listed is None:             # a save waiting in newest_remote takes it
                     self._listed = (newest[0] if newest else None,)
                     self._cond.notify_all()
         if self._lease is None and not self.parts_only:

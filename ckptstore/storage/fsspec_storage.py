@@ -29,6 +29,7 @@ import fsspec
 
 from ..util.redact import redact, register_secrets, split_userinfo
 from .base import Buffer, BytesReads, Storage
+from .retrying import CALLS
 
 
 def _redact(url: str) -> str:
@@ -422,8 +423,6 @@ def _first_request_alone(fn):
     return call
 
 
-for _name in ("read_bytes", "read_range_bytes", "size", "exists", "mtime", "write_atomic", "write_new",
-              "write_if_match", "read_versioned", "put_file", "listdir", "listdir_after", "list_sizes", "delete",
-              "rmtree", "move", "read_into", "read_range_scatter"):
+for _name in CALLS:                            # the storage calls, as the retrying wrapper governs them
     if _name in FsspecStorage.__dict__:
         setattr(FsspecStorage, _name, _first_request_alone(FsspecStorage.__dict__[_name]))
