@@ -2,10 +2,11 @@
 ``ckptstore_blocking=False``), same model, data, optimizer (the default fused AdamW) and save cadence, one run.
 
 A GPT-2 from a config (default: 3 layers, width 768, vocab 32000: 46 M parameters, 0.55 GB of fp32 weights +
-AdamW moments) trains ``--steps`` steps on CPU saving after every step (``save_steps=1``), so each mode makes
-``--steps`` saves. Reported per mode:
+AdamW moments) trains ``--steps`` steps on CPU saving every ``--save-steps`` steps (default 1: after every step, so a non-blocking save
+waits for the previous one; HF's own default is 500). Reported per mode:
 
-- seconds per save: the time ``_save_checkpoint`` keeps training waiting (the training-visible stall; for the
+- seconds per save: the median over the run's saves, and apart the first (into a new store: HF's first
+  ``checkpoint-1``) and the median of the others (a used store, every tensor changed by the step between): the time ``_save_checkpoint`` keeps training waiting (the training-visible stall; for the
   non-blocking adapter the copy into staging memory, plus any wait for the previous save);
 - the whole run's wall time, and the same run without saves (the saves' real cost to training);
 - bytes written over all saves: for HF the size of each ``checkpoint-N`` dir right after its save (``du``), for
@@ -64,11 +65,11 @@ def run(mode: str, a, work: Path) -> dict:
     model = GPT2LMHeadModel(cfg)
     out = work / mode
     args = TrainingArguments(output_dir=str(out), max_steps=a.steps, per_device_train_batch_size=1,
-                             save_strategy="no" if mode == "nosave" else "steps", save_steps=1,
+                             save_strategy="no" if mode == "nosave" else "steps", save_steps=a.save_steps,
                              save_total_limit=1, logging_steps=1000, report_to=[], use_cpu=True, seed=0,
                              disable_tqdm=True, dataloader_num_workers=0)
     data = Tokens(a.steps, a.vocab)
-    stalls, syncs, written, copies = [], [], [], []
+    stalls, syncs, written, copies, phases = [], [], [], [], []
     if mode in ("nosave", "hf"):
         trainer = Trainer(model=model, args=args, train_dataset=data)
     else:
@@ -103,17 +104,22 @@ def run(mode: str, a, work: Path) -> dict:
             r = r.result() if hasattr(r, "result") else r
             written.append(r.bytes_written)
             copies.append(r.stall_seconds)
+            phases.append(r.phases)
         trainer.store.close()
     shutil.rmtree(out, ignore_errors=True)
     return {"seconds": wall, "save": statistics.median(stalls) if stalls else None,
+            "first": stalls[0] if stalls else None, "steady": statistics.median(stalls[1:]) if stalls[1:] else None,
+            "sync_first": syncs[0] if syncs else None,
             "save_mean": statistics.mean(stalls) if stalls else None, "stalls": stalls,
             "sync": statistics.median(syncs) if syncs else None, "written": sum(written), "params": n_params,
-            "copy": statistics.median(copies) if copies else None}
+            "copy": statistics.median(copies) if copies else None, "phases": phases}
 
 
 def main() -> None:
     p = H.parser(__doc__, repeat=1, scratch=False, seed=False)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--save-steps", type=int, default=1,
+                   help="HF's save_steps: a save every N steps (a non-blocking save hides behind the steps between)")
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--width", type=int, default=768)
     p.add_argument("--vocab", type=int, default=32000)
@@ -127,7 +133,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     n = res.rows["hf"].samples[0]["params"]
     print(f"\nGPT-2 {a.layers} layers x {a.width}, vocab {a.vocab}: {n / 1e6:.1f} M params, "
-          f"{n * 12 / 1e9:.2f} GB model + AdamW state; {a.steps} steps, a save after each; {H.banner()}")
+          f"{n * 12 / 1e9:.2f} GB model + AdamW state; {a.steps} steps, a save every {a.save_steps}; {H.banner()}")
     print("save s: median time _save_checkpoint kept training waiting; copy s: ckptstore's own stall_seconds (for "
           "a non-blocking save the copy into staging memory; save s adds the wait for the previous save); +sync s: "
           "os.sync() after HF's save (its files are not fsynced)")
@@ -135,10 +141,18 @@ def main() -> None:
     def opt(key, fmt):
         return lambda r: fmt.format(r.median(key)) if r.values(key) else "-"
     print(res.table(head="mode", key="save", unit="save s", ratios={"vs HF": lambda r: "hf" if r.name != "nosave" else None},
-                    columns=[("+sync s", opt("sync", "{:.2f}")), ("mean s", opt("save_mean", "{:.3f}")),
+                    columns=[("+sync s", opt("sync", "{:.2f}")), ("first s", opt("first", "{:.3f}")),
+                             ("+sync first", opt("sync_first", "{:.2f}")), ("steady s", opt("steady", "{:.3f}")),
+                             ("mean s", opt("save_mean", "{:.3f}")),
                              ("copy s", opt("copy", "{:.3f}")), ("run wall s", opt("seconds", "{:.2f}")),
                              ("vs no save", lambda r: f"{r.median() / res.rows['nosave'].median():.2f}"),
                              ("written GB", lambda r: f"{r.median('written') / 1e9:.2f}")]))
+    for m in MODES[2:]:
+        ph = [x for s in res.rows[m].samples for x in s.get("phases") or [] if x]
+        if ph:
+            print(f"where a {m} save's time went (SaveResult.phases, medians over every save, ms; hash_cpu and "
+                  "write_io summed over threads): " + ", ".join(
+                      f"{k} {1000 * statistics.median(x.get(k, 0.0) for x in ph):.0f}" for k in ph[-1]))
     H.write_json(a.json, a, rows=res.to_json(key="save"))
 
 

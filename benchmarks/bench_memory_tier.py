@@ -34,6 +34,7 @@ from pathlib import Path
 
 import harness as H  # noqa: E402  (puts the checkout and tests/ on sys.path)
 import torch  # noqa: E402
+import common as C  # noqa: E402
 from countproxy import CountingProxy  # noqa: E402
 
 MiB = 1 << 20
@@ -62,6 +63,8 @@ def loop(state, steps, a, b, iters, store=None, warmup=5) -> dict:
     ``store`` (non-blocking) when given: the step times and the stalls (time inside ``save``)."""
     step_s, stall_s = [], []
     for step in range(1, steps + warmup + 1):
+        if step == warmup + 1:
+            cpu0 = sum(os.times()[:2])
         t0 = time.perf_counter()
         for _ in range(iters):
             a @ b
@@ -76,44 +79,78 @@ def loop(state, steps, a, b, iters, store=None, warmup=5) -> dict:
             stall_s.append(t1 - ts)
     if store is not None:
         store.wait()
-    return {"seconds": sum(step_s), "steps": step_s, "stalls": stall_s, "rate": len(step_s) / sum(step_s)}
+    cpu = (sum(os.times()[:2]) - cpu0) / len(step_s)   # the process's CPU seconds (every thread) per step
+    return {"seconds": sum(step_s), "steps": step_s, "stalls": stall_s, "rate": len(step_s) / sum(step_s), "cpu": cpu}
 
 
-def overhead(args) -> str:
+def measure(state_mib: int, step_ms: float, steps: int, repeat: int, progress: bool = True) -> H.Results:
+    """No checkpointing (before and after) vs the memory tier every step, alternated ``repeat`` times."""
     from ckptstore import Memory, Store
-    a, b, iters = calibrate(args.step_ms)
-    state = make_state(args.state_mib)
+    a, b, iters = calibrate(step_ms)
+    state = make_state(state_mib)
 
     def memory_tier():
         mem = tempfile.mkdtemp(prefix="ckptstore-bench-mem-", dir="/dev/shm")
         disk = tempfile.mkdtemp(prefix="ckptstore-bench-disk-")
         try:
-            with Store(disk, memory=Memory(mem, every=1, disk_every=10 ** 9, capacity=4 * args.state_mib * MiB,
+            with Store(disk, memory=Memory(mem, every=1, disk_every=10 ** 9, capacity=4 * state_mib * MiB,
                                            keep=2, replicas=0)) as store:
-                return loop(state, args.steps, a, b, iters, store)
+                return loop(state, steps, a, b, iters, store)
         finally:
             shutil.rmtree(mem, ignore_errors=True)
             shutil.rmtree(disk, ignore_errors=True)
-    none = H.Contender(NONE, lambda: loop(state, args.steps, a, b, iters))
-    res = H.compare([none, H.Contender(MEMORY, memory_tier), none], args.repeat)
+    none = H.Contender(NONE, lambda: loop(state, steps, a, b, iters))
+    res = H.compare([none, H.Contender(MEMORY, memory_tier), none], repeat, progress=progress)
+    res.iters = iters
+    return res
 
-    def pooled(r, key="steps"):                        # every step of every run of the row
-        return [x for s in r.samples for x in s[key]]
+
+def pooled(r, key="steps"):                             # every step of every run of the row
+    return [x for s in r.samples for x in s[key]]
+
+
+def rate(r):
+    return len(pooled(r)) / sum(pooled(r))
+
+
+def overhead(args) -> str:
+    res = measure(args.state_mib, args.step_ms, args.steps, args.repeat)
 
     def ms(r, q, key="steps"):
         return f"{1000 * H.pct(pooled(r, key), q):.1f}" if r.name == MEMORY or key == "steps" else "-"
-
-    def rate(r):
-        return len(pooled(r)) / sum(pooled(r))
     cols = [("steps/s", lambda r: f"{rate(r):.2f}"),
             ("throughput vs none", lambda r: f"{rate(r) / rate(res.rows[NONE]):.3f}"),
             ("step p50 ms", lambda r: ms(r, 50)), ("step p99 ms", lambda r: ms(r, 99)),
             ("stall in save p50 ms", lambda r: ms(r, 50, "stalls")), ("stall p99 ms", lambda r: ms(r, 99, "stalls"))]
     return "\n".join([
         f"(a) per-step save to the memory tier, {args.state_mib} MiB of state changing every step, "
-        f"compute ~{args.step_ms:.0f} ms/step ({iters} matmuls 512x512, torch threads {torch.get_num_threads()}), "
+        f"compute ~{args.step_ms:.0f} ms/step ({res.iters} matmuls 512x512, torch threads {torch.get_num_threads()}), "
         f"{args.steps} steps after 5 warm-up, {os.cpu_count()} cores; no checkpointing runs before and after",
         "", res.table(head="run", columns=cols)])
+
+
+def curve(args) -> str:
+    """(a) over state sizes x step times: one line per pair."""
+    sizes = [int(x) for x in args.sizes.split(",")]
+    steps_ms = [float(x) for x in args.steps_ms.split(",")]
+    lines = [["state MiB", "step ms", "steps/s none", "steps/s memory", "throughput ratio", "stall p50 ms",
+              "stall p99 ms", "step p50 ms none / memory", "CPU ms/step none / memory"]]
+    for mib in sizes:
+        for sm in steps_ms:
+            steps = max(8, min(args.steps, round(args.curve_seconds * 1000 / sm)))
+            res = measure(mib, sm, steps, args.repeat, progress=False)
+            n, m = res.rows[NONE], res.rows[MEMORY]
+            st = pooled(m, "stalls")
+            lines.append([str(mib), f"{sm:.0f}", f"{rate(n):.2f}", f"{rate(m):.2f}", f"{rate(m) / rate(n):.3f}",
+                          f"{1000 * H.pct(st, 50):.1f}", f"{1000 * H.pct(st, 99):.1f}",
+                          f"{1000 * H.pct(pooled(n), 50):.0f} / {1000 * H.pct(pooled(m), 50):.0f}",
+                          f"{1000 * n.median('cpu'):.0f} / {1000 * m.median('cpu'):.0f}"])
+            print(" | ".join(lines[-1]), file=sys.stderr, flush=True)
+    return "\n".join([
+        f"(a) over sizes and step times: memory tier every step (state changing every step) vs no checkpointing; "
+        f"torch threads {torch.get_num_threads()}, {os.cpu_count()} cores; ~{args.curve_seconds:.0f} s of steps per run "
+        f"(at least 8, at most --steps), {args.repeat} repeat(s) alternated",
+        "", C.align_table(lines)])
 
 
 # -- (b) recovery -------------------------------------------------------------------------------------------------
@@ -222,7 +259,10 @@ def recovery(args) -> str:
 
 def main():
     ap = H.parser(__doc__, repeat=1, scratch=False, seed=False)
-    ap.add_argument("section", nargs="?", default="all", choices=["overhead", "recovery", "all"])
+    ap.add_argument("section", nargs="?", default="all", choices=["overhead", "curve", "recovery", "all"])
+    ap.add_argument("--sizes", default="1,8,36,128", help="curve: state sizes, MiB")
+    ap.add_argument("--steps-ms", default="50,130,500", help="curve: step times, ms")
+    ap.add_argument("--curve-seconds", type=float, default=4.0, help="curve: seconds of steps per run")
     ap.add_argument("--state-mib", type=int, default=128)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--step-ms", type=float, default=50)
@@ -234,6 +274,8 @@ def main():
     out = {}
     if args.section in ("overhead", "all"):
         out["overhead"] = overhead(args)
+    if args.section == "curve":
+        out["curve"] = curve(args)
     if args.section in ("recovery", "all"):
         out["recovery"] = recovery(args)
     print("\n\n".join(out.values()))

@@ -31,7 +31,8 @@ from ..util.errors import CheckpointError, IncompatibleCheckpointError
 from ..format.layout import manifest_path
 from ..lifecycle.lease import read_epoch
 from ..orchestration.loading import Loader
-from .memory import Memory, NodeLock, next_to_drop, over_keep, root_usage, sweep
+from .memory import (FULL_SWEEP_EVERY, Memory, NodeLock, dropped_chunks, next_to_drop, over_keep, root_usage,
+                     sweep)
 from ..orchestration.options import Writing
 from ..orchestration.parts import Parts, local_path
 from ..format.pointers import point_away_from
@@ -79,6 +80,7 @@ class MemoryTier:
         self._promoting: Dict[int, Optional[Future]] = {}   # memory steps waiting for promotion (protected)
         self._promote_error: Optional[BaseException] = None
         self._capacity_warned = False
+        self._sweeps = 0                             # memory sweeps this process ran (a full one every so often)
 
     # -- saving ---------------------------------------------------------------------------------------------
     def save(self, state: Mapping[str, Any], step: int, *, metrics, blocking: bool, names, replicated):
@@ -204,14 +206,16 @@ class MemoryTier:
         doomed = over_keep(committed, self.m.keep, protected)
         swept = False
         if doomed:
+            candidates = dropped_chunks(p.catalog, doomed)
             for s in doomed:
                 self._drop(s)
-            swept = self._sweep(step, exclude)
+            swept = self._sweep(step, exclude, candidates)
         if self.m.capacity is None:
             return swept
         root = p.storage.local_path("")
         while root_usage(root) > self.m.capacity:
             s = next_to_drop(p.catalog.committed_steps(), protected)
+            candidates = None if s is None else dropped_chunks(p.catalog, [s])
             if s is None:
                 if not self._capacity_warned:
                     self._capacity_warned = True
@@ -220,7 +224,7 @@ class MemoryTier:
                                 self.m.capacity)
                 break
             self._drop(s)
-            if not self._sweep(step, exclude):
+            if not self._sweep(step, exclude, candidates):
                 break                                # deferred: another rank is saving; the next commit retries
             swept = True
         return swept
@@ -231,10 +235,16 @@ class MemoryTier:
         p.catalog.delete_step(s)
         log.debug("memory tier %s: dropped step %d", p.root, s)
 
-    def _sweep(self, step: int, exclude: Optional[str]) -> bool:
+    def _sweep(self, step: int, exclude: Optional[str], candidates=None) -> bool:
+        """Sweep the memory root after a drop: the dropped steps' chunks (``candidates``, see
+        :func:`~ckptstore.memtier.memory.sweep`), or every file on this process's first sweep and every
+        :data:`~ckptstore.memtier.memory.FULL_SWEEP_EVERY`-th (what failed or killed saves left)."""
         p = self.p
+        self._sweeps += 1
+        if self._sweeps % FULL_SWEEP_EVERY == 1:
+            candidates = None
         try:
-            sweep(p.storage, p.catalog, self.lock)
+            sweep(p.storage, p.catalog, self.lock, candidates)
         except Exception as e:
             log.error("memory tier %s: sweep after step %d failed: %s: %s", p.root, step, type(e).__name__, e)
             return False

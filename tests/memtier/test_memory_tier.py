@@ -361,6 +361,47 @@ def test_capacity_is_respected_oldest_first_newest_kept(tmp_path, tmpfs_dirs):
             assert torch.equal(got["x"], value(step)) and got["step"] == step, step
 
 
+def test_memory_root_holds_what_its_kept_steps_reference_and_orphans_go(tmp_path, tmpfs_dirs):
+    """After every memory commit the root holds exactly the chunks its kept steps reference (the dropped step's
+    go, one it shares with a kept step stays); a chunk no step references (a killed save's) is gone within
+    FULL_SWEEP_EVERY more saves."""
+    from ckptstore import Memory, Store
+    from ckptstore.format.layout import parse_blob_name, parse_pack_name
+    from ckptstore.memtier.memory import FULL_SWEEP_EVERY
+    mem = tmpfs_dirs("mem", "64m")
+    const = torch.arange(5 << 18, dtype=torch.float32)             # 5 MiB: a blob, the same bytes every step
+
+    def state(step):
+        g = torch.Generator().manual_seed(step)
+        return {"const": const, "x": torch.randn(5 << 18, generator=g), "small": torch.randn(999, generator=g),
+                "step": step}
+
+    def stored():
+        blobs = {parse_blob_name(f.name)[0] for f in (mem / "objects").glob("*/*") if parse_blob_name(f.name)}
+        packs = {parse_pack_name(f.name) for f in (mem / "packs").glob("*/*") if parse_pack_name(f.name)}
+        return blobs, packs
+
+    orphan = "ab" + "c" * 62
+    last = 4 + FULL_SWEEP_EVERY
+    with Store(tmp_path / "disk", memory=Memory(str(mem), every=1, disk_every=1000, keep=2, replicas=0)) as store:
+        for step in range(1, last + 1):
+            if step == 4:                                          # after the first drop's sweep
+                (mem / "objects" / "ab").mkdir(exist_ok=True)
+                (mem / "objects" / "ab" / orphan).write_bytes(b"left by a killed save")
+            store.save(state(step), step)
+            steps = committed(mem)
+            assert steps == list(range(max(1, step - 1), step + 1)), (step, steps)
+            ms = [manifest(mem, s, 0) for s in steps]
+            blobs, packs = stored()
+            want = set().union(*(m.blob_ids() for m in ms)), set().union(*(m.pack_ids() for m in ms))
+            assert (blobs - {orphan}, packs) == want, f"after step {step}: stored {blobs, packs}, referenced {want}"
+    assert orphan not in stored()[0], f"an unreferenced blob outlived {FULL_SWEEP_EVERY} sweeps"
+    with Store(mem, read_only=True, rank=0, world_size=1) as s:
+        for step in (last - 1, last):
+            got = s.load(step)
+            assert torch.equal(got["const"], const) and torch.equal(got["x"], state(step)["x"]), step
+
+
 # -- 4. a peer killed during replication ----------------------------------------------------------------------------
 def test_peer_killed_during_replication_leaves_step_uncommitted(tmp_path, tmpfs_dirs):
     k = 3
