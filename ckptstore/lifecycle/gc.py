@@ -115,7 +115,7 @@ def _collect(storage, catalog, blobs, report, deleter, grace_seconds, force, kee
         if not dry_run:
             deleter.check()
             deleter.deleted = True
-            storage.delete(path)
+            storage.discard(path)           # gone from its name now; a large file's space comes back shortly
 
     committed = catalog.committed_steps()
     kept_asides = []

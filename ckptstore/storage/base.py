@@ -145,6 +145,12 @@ class Storage(ABC):
     def delete(self, path: str) -> None:
         """Remove one file; a missing file is not an error."""
 
+    def discard(self, path: str) -> None:
+        """Remove one file from its path now, as :meth:`delete` does; the space it held may be reclaimed later,
+        off the caller's thread (:class:`~ckptstore.storage.local.LocalStorage`: a large file is renamed into
+        ``trash/`` and unlinked in the background). A missing file is not an error."""
+        self.delete(path)
+
     @abstractmethod
     def rmtree(self, path: str) -> None:
         """Remove a directory/prefix and everything under it; missing is not an error."""

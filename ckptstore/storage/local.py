@@ -30,6 +30,10 @@ DIRECT_MIN_BYTES = 1 << 20          # below this, O_DIRECT's bookkeeping is not 
 BOUNCE_BYTES = 16 << 20             # per-thread aligned buffer for O_DIRECT writes from unaligned memory
 _MAX_WRITE = 1 << 30                # bytes per os.write call
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+#: files :meth:`LocalStorage.discard` renames into ``trash/`` and unlinks in the background (smaller: unlinked)
+DISCARD_LATER_BYTES = 4 << 20
+#: the folder of a local root that discarded files wait in until unlinked (FORMAT.md, "Layout")
+TRASH = "trash"
 
 
 try:
@@ -69,6 +73,7 @@ class LocalStorage(Storage):
         self._lock = threading.Lock()
         self._tls = threading.local()
         self._unsynced = set()              # files created by write_new, not yet made durable by sync()
+        self._trash_checked = False         # trash/ looked at by this instance (leftovers queued for unlinking)
         self._dirty_dirs = set()            # directories holding an entry of a directory we created, not yet
         #                                     fsynced (the new directory's name is lost at power loss until then)
         if not os.path.isdir(self.root):
@@ -401,6 +406,37 @@ class LocalStorage(Storage):
     def delete(self, path: str) -> None:
         _unlink_quiet(self._abs(path))
 
+    def discard(self, path: str) -> None:
+        """Remove ``path`` from its name at once; a file of :data:`DISCARD_LATER_BYTES` or more is renamed into
+        :data:`TRASH` (same filesystem: one ``rename``) and unlinked by a background thread, since unlinking a
+        large file frees its page-cache pages and extents in the caller's time (~55 ms per 60 MiB file measured
+        on ext4, the whole of a retention step after a 0.55 GB save). Who may delete, and when, is unchanged:
+        the name goes at the same moment an unlink would have removed it, and nothing ever reads ``trash/``.
+        What a killed process left there is unlinked by the next process that discards into this root."""
+        full = self._abs(path)
+        try:
+            st = os.lstat(full)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISREG(st.st_mode) or st.st_size < DISCARD_LATER_BYTES:
+            _unlink_quiet(full)
+            return
+        trash = os.path.join(self.root, TRASH)
+        if not self._trash_checked:
+            self._trash_checked = True
+            os.makedirs(trash, exist_ok=True)
+            leftovers = [os.path.join(trash, n) for n in os.listdir(trash)]
+            _UNLINKER.add(leftovers)
+        target = os.path.join(trash, uuid.uuid4().hex)
+        try:
+            os.rename(full, target)
+        except FileNotFoundError:
+            return
+        except OSError:                     # another filesystem (a mount below the root): unlink here
+            _unlink_quiet(full)
+            return
+        _UNLINKER.add([target])
+
     def rmtree(self, path: str) -> None:
         full = self._abs(path)
         self._forget_dirs(full)
@@ -532,3 +568,39 @@ def _unlink_quiet(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+class _Unlinker:
+    """Unlinks discarded files on a thread of its own, started when there is work and ended when there is none
+    (not a daemon: a process that exits waits for the unlinks it queued, so the space is back when it ends; a
+    killed process leaves them in ``trash/`` for the next one)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: List[str] = []
+        self._running = False
+
+    def add(self, paths: List[str]) -> None:
+        if not paths:
+            return
+        with self._lock:
+            self._queue.extend(paths)
+            if self._running:
+                return
+            self._running = True
+        threading.Thread(target=self._run, name="ckptstore-unlink").start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._running = False
+                    return
+                path = self._queue.pop(0)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass                        # gone already, or unremovable: the next process retries
+
+
+_UNLINKER = _Unlinker()

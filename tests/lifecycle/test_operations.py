@@ -164,6 +164,44 @@ def test_retention_keeps_what_the_policy_names_across_a_restart(tmp_path):
             assert s.load(st)["step"] == st
 
 
+_RETAIN_ONE = textwrap.dedent("""
+    import sys, torch
+    from pathlib import Path
+    from ckptstore import Retention, Store
+    root, first, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    with Store(root, keep=Retention(last=1)) as store:
+        for step in range(first, last + 1):
+            store.save({"w": torch.full((6 << 18,), float(step)), "step": step}, step)   # 6 MiB: a blob
+            blobs = [p for p in (Path(root) / "objects").rglob("*") if p.is_file()]
+            assert store.steps() == [step] and len(blobs) == 1, (step, store.steps(), blobs)
+    """)
+
+
+def test_retention_frees_what_it_deletes_by_the_end_of_the_process(tmp_path):
+    """A deleted step's blobs leave their paths when the save returns (only the kept step's blob is there), and
+    their space is back when the process ends; files a killed process left waiting to be unlinked go with the
+    next process's deletions."""
+    root = tmp_path / "store"
+
+    def run(first, last):
+        subprocess.run([sys.executable, "-c", _RETAIN_ONE, str(root), str(first), str(last)], check=True,
+                       cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)
+
+    def files():
+        return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()
+                      and p.parts[len(root.parts)] in ("objects", "trash"))
+    run(1, 3)
+    left = files()
+    assert len(left) == 1 and left[0].startswith("objects/"), left
+    (root / "trash").mkdir(exist_ok=True)
+    (root / "trash" / "left-by-a-killed-process").write_bytes(b"x" * (5 << 20))
+    run(4, 5)
+    left = files()
+    assert len(left) == 1 and left[0].startswith("objects/"), left
+    got = Store(root, read_only=True).load(5)
+    assert torch.equal(got["w"], torch.full((6 << 18,), 5.0)) and got["step"] == 5
+
+
 @pytest.mark.parametrize("kind", ["s3", "gcs"])
 def test_retention_on_remote_across_a_restart(tmp_path, request, kind):
     target = request.getfixturevalue(f"{kind}_bucket_url")
