@@ -50,6 +50,7 @@ class Maintenance:
     def __init__(self, parts: Parts):
         self.p = parts
         self.pulled: List[TransferStats] = []
+        self._seen_committed: Set[int] = set()   # step directories found committed (each marker HEAD-ed once)
 
     def upload_args(self, remote: Remote) -> Dict[str, Any]:
         """The :class:`~ckptstore.remote.upload.Uploader` arguments of this store (its knobs from ``remote``, and these
@@ -85,6 +86,21 @@ class Maintenance:
         return set(u.pending())
 
     # -- after a commit, after an upload --------------------------------------------------------------------
+    def _leftovers_before(self, step: int) -> bool:
+        """Whether an uncommitted step directory older than ``step`` is there (a crash leftover of this job: it
+        holds the writer lease). One listing; a marker is looked for once per directory and process (a HEAD of
+        every step's marker at every save made a save O(steps) in a store that keeps them all)."""
+        catalog = self.p.catalog
+        dirs = catalog.step_dirs()
+        self._seen_committed.intersection_update(dirs)
+        for s in dirs:
+            if s >= step or s in self._seen_committed:
+                continue
+            if not catalog.is_committed(s):
+                return True
+            self._seen_committed.add(s)
+        return False
+
     def after_commit(self, step: int, since: float, exclude: Optional[str]) -> bool:
         """After a commit this rank wrote: delete the steps retention drops, then sweep under the gc lease
         (waiting a little for other ranks' saves in flight, else deferring the sweep to a later save), sparing
@@ -97,8 +113,8 @@ class Maintenance:
             protected.add(step)
             doomed = _retention.apply(p.catalog, p.keep, protected, cache=p.metrics_cache,
                                       before_delete=self._point_away_from)
-            stale = [s for s in p.catalog.step_dirs() if s < step and not p.catalog.is_committed(s)]
-            if doomed or (stale and p.world_size == 1):
+            stale = p.world_size == 1 and self._leftovers_before(step)
+            if doomed or stale:
                 # Blobs written before this save began and no longer referenced can go: no save is in flight
                 # (the gc lease waits for in-flight markers). Uncommitted directories of older steps are crash
                 # leftovers of this job (it holds the writer lease).

@@ -120,7 +120,9 @@ class Parts:
         ``keep_local`` the local root may hold fewer; before the uploader has listed the remote, it is listed
         here once, see :meth:`~ckptstore.remote.upload.Uploader.newest_remote`)."""
         remote = self.uploader.newest_remote() if self.writes_remote else None
-        return newest_of(self.catalog.committed_steps(), remote)
+        # the latest pointer and the step directories after it (Catalog.newest_committed), not a HEAD of every
+        # step's marker: a store that keeps every step made each save's rewind check O(steps)
+        return newest_of(self.catalog.newest_committed()[0][:1], remote)
 
     def where(self) -> str:
         """The root, and the remote if any: for messages."""
