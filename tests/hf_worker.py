@@ -59,7 +59,11 @@ class LogAndCrash(TrainerCallback):
     def __init__(self, a, trainer_ref):
         self.a, self.trainer_ref = a, trainer_ref
 
+    tier = None          # where the trainer's Store resumed from (resumed_from["tier"]) as training began
+
     def on_train_begin(self, args, state, control, **kwargs):
+        store = getattr(self.trainer_ref(), "store", None)
+        self.tier = (store.resumed_from or {}).get("tier") if store is not None else None
         if args.process_index == 0 and self.a.log:
             _durable_append(self.a.log, {"start": True,
                                          "resumed_step": getattr(self.trainer_ref(), "resumed_step", None)})
@@ -97,6 +101,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--non-blocking", action="store_true")
     p.add_argument("--plain", action="store_true", help="transformers' own Trainer (its own checkpoints)")
     p.add_argument("--log")
+    p.add_argument("--memory-root", help="Store(memory=Memory(this, every=1, disk_every=--disk-every))")
+    p.add_argument("--disk-every", type=int)
     p.add_argument("--n-train", type=int, default=32)
     p.add_argument("--no-use-cpu", action="store_true", help="TrainingArguments(use_cpu=False): under torchrun on "
                    "CPU, HF then trains independent processes (tests the adapter's check)")
@@ -123,16 +129,22 @@ def make_trainer(a: argparse.Namespace):
     if a.plain:
         trainer = Trainer(model=model, args=args, train_dataset=ds_train, eval_dataset=ds_eval)
     else:
+        from ckptstore import Memory
         from ckptstore.integrations.transformers import CkptstoreTrainer
+        memory = Memory(a.memory_root, every=1, disk_every=a.disk_every) if a.memory_root else None
         trainer = CkptstoreTrainer(model=model, args=args, train_dataset=ds_train, eval_dataset=ds_eval,
                                    store=a.store, remote=a.remote,
                                    storage_options=json.loads(a.storage_options) if a.remote else None,
                                    ckptstore_blocking=not a.non_blocking, collective_timeout=60,
-                                   on_rewind=a.on_rewind, load_path=a.load_path)
+                                   on_rewind=a.on_rewind, load_path=a.load_path, memory=memory)
         if a.kill_in_save is not None:
             arm_kill_in_save(trainer.store, a.kill_in_save)
     trainer.add_callback(LogAndCrash(a, weakref.ref(trainer)))
     return trainer
+
+
+def resumed_tier(trainer) -> str:
+    return next(cb.tier for cb in trainer.callback_handler.callbacks if isinstance(cb, LogAndCrash))
 
 
 def main() -> None:
@@ -148,6 +160,7 @@ def main() -> None:
            "global_step": trainer.state.global_step}
     if not a.plain:
         out["resumed_step"] = trainer.resumed_step
+        out["tier"] = resumed_tier(trainer)
         trainer.store.close()
     result(out, default=str)
 

@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
-from ckptstore import Store  # noqa: E402
+from ckptstore import Memory, Store  # noqa: E402
 from rank import result  # noqa: E402
 from ckptstore.integrations.lightning import CkptstoreCheckpointIO, CkptstoreModelParallelStrategy  # noqa: E402
 
@@ -43,6 +43,11 @@ def parse():
     p.add_argument("--strategy", choices=["single", "ddp", "fsdp"], default="single")
     p.add_argument("--remote", default=None)
     p.add_argument("--storage-options", default="{}")
+    p.add_argument("--every-n", type=int, default=2, help="ModelCheckpoint(every_n_train_steps=)")
+    p.add_argument("--memory-root", default=None, help="memory=Memory(this, every=--memory-every, "
+                   "disk_every=--disk-every)")
+    p.add_argument("--memory-every", type=int, default=1)
+    p.add_argument("--disk-every", type=int, default=None)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per step (to be killed mid-run)")
     p.add_argument("--stall-at", type=int, default=None,
                    help="stop at this global step, after logging its loss, until killed (a kill that always "
@@ -131,7 +136,7 @@ def main():
     storage_options = json.loads(a.storage_options)
     fsdp = a.strategy == "fsdp"
     model = Net(log_path, a.sleep, fsdp=fsdp, stall_at=a.stall_at)
-    ckpt = ModelCheckpoint(dirpath=a.names, every_n_train_steps=2, save_top_k=2, monitor="train_loss",
+    ckpt = ModelCheckpoint(dirpath=a.names, every_n_train_steps=a.every_n, save_top_k=2, monitor="train_loss",
                            save_last=True)
     snap = Snapshot()
     callbacks = [SayWhenSaving(), ckpt] + ([snap] if fsdp else [])
@@ -142,7 +147,8 @@ def main():
                                             data_parallel_size=world, tensor_parallel_size=1)
         trainer = L.Trainer(strategy=io, devices=world, callbacks=callbacks, **kw)
     else:
-        io = CkptstoreCheckpointIO(a.root, remote=a.remote, storage_options=storage_options)
+        memory = Memory(a.memory_root, every=a.memory_every, disk_every=a.disk_every) if a.memory_root else None
+        io = CkptstoreCheckpointIO(a.root, remote=a.remote, storage_options=storage_options, memory=memory)
         callbacks.append(io.callback)
         strategy = "ddp" if a.strategy == "ddp" else "auto"
         # With Lightning's DistributedSampler inside torchdata's StatefulDataLoader the batches after a mid-epoch

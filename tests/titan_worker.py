@@ -90,6 +90,8 @@ def main():
     ap.add_argument("--nonblocking", type=int, default=1)
     ap.add_argument("--last-model-only", type=int, default=1)
     ap.add_argument("--load-step", type=int, default=-1)
+    ap.add_argument("--memory-root", default=None, help="checkpoint.memory_root (the memory tier)")
+    ap.add_argument("--disk-every", type=int, default=None, help="checkpoint.memory_disk_every")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds of sleep per step (kill window)")
     ap.add_argument("--kill-in-save", type=int, default=None,
                     help="rank 0 SIGKILLs itself inside the save of this step, before its commit marker")
@@ -112,7 +114,8 @@ def main():
     cfg = CkptstoreCheckpointManager.Config(
         enable=True, folder="checkpoint", interval=args.interval, keep_latest_k=args.keep,
         load_step=args.load_step, remote=args.remote, storage_options_json=args.so,
-        nonblocking=bool(args.nonblocking), last_save_model_only=bool(args.last_model_only))
+        nonblocking=bool(args.nonblocking), last_save_model_only=bool(args.last_model_only),
+        memory_root=args.memory_root, memory_disk_every=args.disk_every)
     checkpointer = cfg.build(dataloader=dataloader, model_parts=[model], optimizers=optimizers,
                              lr_schedulers=lr_schedulers, states={"train_state": train_state}, sd_adapter=None,
                              base_folder=args.dump)
@@ -122,6 +125,7 @@ def main():
 
     loaded = checkpointer.load(step=cfg.load_step)
     start = train_state.step
+    tier = (checkpointer.store.resumed_from or {}).get("tier")
     print(f"rank {rank} loaded={loaded} start={start}", flush=True)
     data = iter(dataloader)
     saved = []
@@ -146,7 +150,7 @@ def main():
                 f.write(json.dumps({"step": train_state.step, "loss": (t / world).item()}) + "\n")
         time.sleep(args.step_sleep)
     checkpointer.close()
-    result({"loaded": loaded, "start": start, "saved": saved,
+    result({"loaded": loaded, "start": start, "saved": saved, "tier": tier,
             "ntokens_seen": train_state.ntokens_seen})
     finish()
 

@@ -397,6 +397,11 @@ class CkptstoreCheckpointIO(CheckpointIO):
             ``teardown`` or ``resume_path``). Lightning saves one step twice when ``save_last`` is set (top-k path,
             then ``last.ckpt``); the second save waits for the first, so ``False`` gains little there.
         **store_kw: any other ``ckptstore.Store`` argument (``writing=Writing(...)``, ``on_rewind``, ``config``, ...; a ``Remote(url, keep_local=...)`` may be given as ``remote``).
+            ``memory=ckptstore.Memory("/dev/shm/run1", every=..., disk_every=...)``: the memory tier in front of
+            ``root`` (one node: rank 0 saves alone, and every rank loads from this node's memory root). A save of a
+            step due for no tier writes nothing and no stub; ``resume_path()`` names the newest memory step when
+            it is newer than every disk step, and loading a stub reads its step from the memory root (an ordinary
+            store root, FORMAT.md "The memory tier") while it holds it, else from ``root`` / the remote.
 
     Every step is one commit named by every path Lightning saved it under (``Store.save(names=)``); step =
     ``checkpoint["global_step"]``; metrics = ``{monitor: current_score}`` of each ``ModelCheckpoint``. The saved state
@@ -428,6 +433,7 @@ class CkptstoreCheckpointIO(CheckpointIO):
         self._pending: List[Tuple[Any, str, int]] = []     # (handle, path, step) of non-blocking saves
         self._rng = _RNGRestore()
         self.callback = _RNGCallback(self._rng)
+        self.memory = store_kw.get("memory")
 
     # stores
     @property
@@ -442,6 +448,25 @@ class CkptstoreCheckpointIO(CheckpointIO):
         kw = {k: v for k, v in self.store_kw.items() if k in ("collective_timeout", "writing", "load_path")}
         return Store(self.root, rank=0, world_size=1, remote=self.remote, storage_options=self.storage_options,
                      read_only=True, **kw)
+
+    def _memory_reader(self) -> Optional[Store]:
+        """A read-only view of the memory tier's root (an ordinary store root), or ``None`` without ``memory=`` or
+        before its first save."""
+        if self.memory is None or not os.path.isdir(os.path.join(os.fspath(self.memory.root), "steps")):
+            return None
+        return Store(self.memory.root, rank=0, world_size=1, read_only=True, create=False)
+
+    def _readers(self, step: Optional[int] = None, name: Optional[str] = None) -> List[Store]:
+        """Where to read ``step`` (or the step named ``name``) from, in order: the memory root when it holds it,
+        then ``root`` (and the remote)."""
+        out = []
+        mem = self._memory_reader()
+        if mem is not None:
+            if (step is not None and step in mem.steps()) or (name is not None and mem.find(name) is not None):
+                out.append(mem)
+            else:
+                mem.close()
+        return out + [self._reader()]
 
     def _flush_stubs(self, wait: bool = True) -> None:
         """Write the stubs of non-blocking saves that have committed (all of them, waiting, when ``wait``)."""
@@ -488,12 +513,13 @@ class CkptstoreCheckpointIO(CheckpointIO):
         _warn_hazard(self, checkpoint, saving=True)
         store = self.store
         self._flush_stubs(wait=True)             # save() waits for the previous save anyway
-        if self.blocking:
-            store.save(state, step, metrics=_metrics_of(checkpoint), names=[name])
+        out = store.save(state, step, metrics=_metrics_of(checkpoint), names=[name], blocking=self.blocking)
+        if out is None:                          # memory=: a step due for no tier is not saved, and gets no stub
+            log.debug("step %d is due for no tier of the store: not saved, no stub at %s", step, name)
+        elif self.blocking:
             self._install_stub(name, step)
         else:
-            handle = store.save(state, step, metrics=_metrics_of(checkpoint), names=[name], blocking=False)
-            self._pending.append((handle, name, step))
+            self._pending.append((out, name, step))
 
     def _step_of(self, path) -> Optional[int]:
         """The step the stub at ``path`` names, or ``None`` when there is no stub; ``ValueError`` for a stub of another
@@ -520,13 +546,18 @@ class CkptstoreCheckpointIO(CheckpointIO):
             checkpoint = TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=True)
             _warn_hazard(self, checkpoint, saving=False)
             return checkpoint
-        with self._reader() as reader:
+        readers = self._readers(step, None if step is not None else os.fspath(path))
+        try:
+            reader = readers[0]
             if step is None:
                 step = reader.find(os.fspath(path))
                 if step is None:
                     raise FileNotFoundError(f"no checkpoint at {os.fspath(path)}: no stub, and no committed step "
                                             f"of {self.root} is named so")
             loaded = reader.load(step, map_location=map_location if map_location is not None else "cpu")
+        finally:
+            for r in readers:
+                r.close()
         checkpoint = loaded["lightning"]
         _warn_hazard(self, checkpoint, saving=False)
         if "rng" in loaded:
@@ -588,17 +619,22 @@ class CkptstoreCheckpointIO(CheckpointIO):
         if self._store is not None:
             self._flush_stubs(wait=True)
         with self._reader() as reader:
-            found = reader.resolve()
+            # with memory=, the writing store's resolve() looks at the memory root first
+            found = (self.store if self.memory is not None else reader).resolve()
             if found is None or found[1] == "load_path" or found[0] is None:
                 return None
             step, tier = found
             names: Tuple[str, ...] = ()
+            mem = self._memory_reader() if tier == "memory" else None
             try:
-                names = tuple(reader.commit_info(step).names) if tier == "local" else ()
+                names = tuple((mem or reader).commit_info(step).names) if tier in ("local", "memory") else ()
             except CheckpointError:
                 names = ()
+            finally:
+                if mem is not None:
+                    mem.close()
         if not names:
-            names = self._names_of_remote(step) if tier != "local" else names
+            names = self._names_of_remote(step) if tier == "remote" else names
         if not names:
             names = (os.path.join(self.root, f"ckptstore-step={step}.ckpt"),)
         for n in names:
@@ -758,12 +794,14 @@ class CkptstoreModelParallelStrategy(ModelParallelStrategy):
         store = self.store
         self._flush_stubs(wait=True)
         kw = dict(metrics=_metrics_of(checkpoint), names=[name], replicated=["lightning"])
-        if self.blocking:
-            store.save(state, step, **kw)
+        out = store.save(state, step, blocking=self.blocking, **kw)
+        if out is None:                          # memory=: a step due for no tier is not saved, and gets no stub
+            log.debug("step %d is due for no tier of the store: not saved, no stub at %s", step, name)
+        elif self.blocking:
             if self.global_rank == 0:
                 self._install_stub(name, step)
         else:
-            self._pending.append((store.save(state, step, blocking=False, **kw), name, step))
+            self._pending.append((out, name, step))
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """Collective: restore the step the stub at ``checkpoint_path`` names into the sharded model and optimizers

@@ -16,6 +16,13 @@ function that sets ``cfg.checkpoint = CkptstoreCheckpointManager.Config(enable=T
             remote="s3://bucket/run1", last_save_model_only=False)
         return cfg
 
+With the memory tier (``ckptstore.Memory``): ``memory_root="/dev/shm/run1"`` (node-local tmpfs) saves every
+``interval`` steps to memory and promotes every ``memory_disk_every``-th step to ``folder`` (and from there to
+``remote``); resume takes the newest step the nodes' memory roots hold, else the disk / remote one::
+
+        cfg.checkpoint = CkptstoreCheckpointManager.Config(
+            enable=True, folder="checkpoint", interval=1, memory_root="/dev/shm/run1", memory_disk_every=50)
+
 What is saved per step (one ckptstore commit, every rank collectively): ``model`` (torchtitan's
 ``ModelWrapper``: the flat model state dict, FSDP2/TP parameters as DTensor shards), ``optimizer`` (the
 ``OptimizersContainer``'s flat state dict), ``lr_scheduler``, ``dataloader`` (per dp rank: rank-local) and
@@ -36,7 +43,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ckptstore import CheckpointError, Retention, Store
+from ckptstore import CheckpointError, Memory, Retention, Store
 
 SUPPORTED_VERSIONS = "torchtitan >=0.3,<0.4"
 
@@ -132,6 +139,12 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
       (as is a step 0 seed checkpoint). Loading such a step restores the model only; ``load(-1)`` refuses a
       model-only newest step > 0 (the run finished: training from step 0 again would rewind it).
     - ``exclude_from_loading``: those entries keep this run's values (their keys must exist).
+    - ``memory_root`` (with ``memory_disk_every``, ``memory_keep``, ``memory_replicas``, ``memory_capacity``):
+      ``Store(memory=Memory(memory_root, every=interval, disk_every=..., keep=..., replicas=..., capacity=...))``.
+      ``interval`` is then the memory cadence; a step due for no tier (the last step or the first-step
+      checkpoint off the ``interval`` grid) is not saved (logged; ``save`` returns ``False``). ``load_step=-1``
+      resumes the newest memory step held whole by the nodes (rebuilt from peers after a node loss) when it is
+      newer than every disk step.
     - non-blocking saves (``nonblocking=True``): ``save`` returns once every changed tensor is copied to
       staging memory, which ends the training-visible stall (``maybe_wait_for_staging`` has nothing left to
       wait for); ``maybe_wait_for_saving`` waits for the commit (``save_future`` is the ckptstore
@@ -169,6 +182,24 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
         collective_timeout: float = 600.0
         """Seconds a rank waits for the others in a collective save or load before naming the missing ones."""
 
+        memory_root: Optional[str] = None
+        """The memory tier's root (``ckptstore.Memory.root``): a node-local RAM-backed directory
+        (``/dev/shm/<run>``), the same path on every rank of a node. ``None``: no memory tier. Saves then go to
+        memory every ``interval`` steps (``Memory.every``)."""
+
+        memory_disk_every: Optional[int] = None
+        """Promote every step that is a multiple of it to ``folder`` (and the remote): ``Memory.disk_every``, a
+        multiple of ``interval``. ``None``: nothing reaches the disk."""
+
+        memory_keep: int = 2
+        """Committed memory steps kept (``Memory.keep``)."""
+
+        memory_replicas: int = 1
+        """Peers on other nodes holding each node's part of a memory step (``Memory.replicas``)."""
+
+        memory_capacity: Optional[int] = None
+        """Bytes the memory root may hold (``Memory.capacity``); ``None``: bounded by ``memory_keep`` only."""
+
         def __post_init__(self) -> None:
             # torchtitan rejects keep_latest_k=1 ("the last one may be in the process of being saved"); ckptstore
             # never deletes the step being saved nor the newest committed one, so 1 is safe here.
@@ -191,6 +222,16 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
                                                 not isinstance(self.keep_every, int) or self.keep_every < 1):
                 raise ValueError(f"checkpoint.keep_every must be a positive int or None, got {self.keep_every!r}")
             self.storage_options()          # raises on bad JSON
+            self.memory()                   # raises on bad memory_* values
+
+        def memory(self) -> Optional[Memory]:
+            """The ``memory_*`` fields as a :class:`ckptstore.Memory` (``every=interval``), or ``None`` without
+            ``memory_root``. Raises ``ValueError`` as ``Memory`` does (e.g. ``memory_disk_every`` not a multiple
+            of ``interval``)."""
+            if not self.memory_root:
+                return None
+            return Memory(self.memory_root, every=self.interval, disk_every=self.memory_disk_every,
+                          keep=self.memory_keep, replicas=self.memory_replicas, capacity=self.memory_capacity)
 
         def storage_options(self) -> Optional[Dict[str, Any]]:
             """``storage_options_json`` parsed (``None`` when unset); ``ValueError`` unless a JSON object."""
@@ -234,9 +275,11 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
         self.store = Store(self.folder, remote=config.remote, storage_options=config.storage_options(),
                            keep=keep if keep.deletes else None, load_path=config.initial_load_path or None,
                            load_components=(MODEL,) if config.initial_load_path and config.initial_load_model_only
-                           else None, on_rewind=config.on_rewind, collective_timeout=config.collective_timeout)
-        log.info("ckptstore checkpointing to %s%s", self.store.root,
-                 f" (remote {config.remote})" if config.remote else "")
+                           else None, on_rewind=config.on_rewind, collective_timeout=config.collective_timeout,
+                           memory=config.memory())
+        log.info("ckptstore checkpointing to %s%s%s", self.store.root,
+                 f" (remote {config.remote})" if config.remote else "",
+                 f" behind the memory tier {config.memory_root}" if config.memory_root else "")
 
     # -- save ----------------------------------------------------------------------------------------------
     def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
@@ -257,15 +300,24 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
         if last_step and self.config.last_save_model_only:
             model = {k: v.to(self.export_dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
                      and v.dtype != self.export_dtype else v for k, v in self.states[MODEL].state_dict().items()}
-            self.store.save({MODEL: model}, curr_step, names=[MODEL_ONLY])
+            if self.store.save({MODEL: model}, curr_step, names=[MODEL_ONLY]) is None:
+                return self._not_due(curr_step)
             log.info("saved a model-only checkpoint (%s) at the last step, step %d", self.config.export_dtype,
                      curr_step)
             return True
         blocking = last_step or not self.config.nonblocking
         out = self.store.save(self.states, curr_step, blocking=blocking)
+        if out is None:
+            return self._not_due(curr_step)
         if not blocking:
             self.save_future = out
         return True
+
+    def _not_due(self, step: int) -> bool:
+        """A step the memory tier's cadence does not save (``Store.save`` returned ``None``)."""
+        log.info("step %d is due for no tier of the store (memory every %d, disk every %s): not saved", step,
+                 self.store.memory.every, self.store.memory.disk_every)
+        return False
 
     def _maybe_wait_for_staging(self) -> None:
         """Nothing to wait for: a non-blocking ``Store.save`` returns after its staging copy."""

@@ -7,6 +7,13 @@
     trainer.train(resume_from_checkpoint="auto")   # newest valid step, local then remote; else a fresh start
     trainer.store.close()                          # waits for the uploads, raises their errors
 
+With the memory tier, every checkpoint HF asks for goes to RAM and every ``disk_every``-th to the store root
+(``save_steps=1`` saves every step to memory; ``Store`` kwargs pass through, ``memory=`` included)::
+
+    trainer = CkptstoreTrainer(model=model, args=TrainingArguments(..., save_steps=1), train_dataset=ds,
+                               store="ckpt/run1", memory=Memory("/dev/shm/run1", every=1, disk_every=50))
+    trainer.train(resume_from_checkpoint="auto")   # the newest memory step when it is newer than every disk step
+
 ``CkptstoreTrainerMixin`` goes first in the bases of any ``Trainer`` subclass (TRL's ``SFTTrainer`` ...):
 ``class MyTrainer(CkptstoreTrainerMixin, SFTTrainer)``. HF still decides *when* to save (``save_strategy``,
 ``save_steps``, ``"best"``); every checkpoint it asks for becomes one ckptstore step numbered
@@ -28,7 +35,11 @@ calls ``_save_checkpoint`` on every rank): rank 0 alone saves the replicated key
 ``TrainingArguments`` keep their meaning: ``save_total_limit=N`` -> ``Retention(last=N)`` (also on the remote);
 with ``metric_for_best_model`` the best step is kept too (``Retention(best=1, metric=..., mode=...)`` from
 ``greater_is_better``); ``load_best_model_at_end`` loads the best step's model from the store;
-``state.best_model_checkpoint`` is that step's URL ``<store root>/steps/<N>``.
+``state.best_model_checkpoint`` is that step's URL ``<store root>/steps/<N>``. With ``memory=`` (a
+:class:`ckptstore.Memory`), HF's saves go to the memory tier at its cadence (a save of a step due for no tier
+writes nothing); the best model is then the best of the steps that reach the disk (every ``disk_every``-th:
+memory steps are dropped after ``Memory.keep``), so ``best_model_checkpoint`` and ``load_best_model_at_end``
+name the best disk step, while ``state.best_metric`` stays HF's best over every evaluation.
 
 Not supported: DeepSpeed and FSDP (``NotImplementedError`` at construction), hyper-parameter search trials
 (saved by HF's own code, with a warning), per-checkpoint ``push_to_hub`` (warned once; the final
@@ -94,6 +105,9 @@ class _Resume:
     keys: Tuple[str, ...]
     world_size: int
     best_model_checkpoint: Optional[str]
+    #: the step's values when it was resumed whole (a memory step, read by ``Store.resume``): applied by the
+    #: ``_load_*`` overrides instead of ``Store.restore`` of each group of keys
+    loaded: Optional[Dict[str, Any]] = None
 
 
 def _plain(obj: Any) -> Any:
@@ -114,8 +128,8 @@ class CkptstoreTrainerMixin:
         remote, storage_options: the Store's remote URL and fsspec options (only with a root, not a Store).
         ckptstore_blocking: ``False`` makes each save non-blocking (training waits only for the copy of the
             state into staging memory; ``train()`` waits for the last save before it returns).
-        Store keyword arguments (``keep=``, ``writing=``, ``config=``, ``load_path=`` ...): passed to
-            ``Store``; ``keep`` defaults to the retention ``TrainingArguments`` ask for.
+        Store keyword arguments (``keep=``, ``writing=``, ``config=``, ``load_path=``, ``memory=`` ...): passed
+            to ``Store``; ``keep`` defaults to the retention ``TrainingArguments`` ask for.
 
     Attributes: ``store``, the :class:`ckptstore.Store` (close it when done: ``trainer.store.close()``);
     ``resumed_step``, the store step the last ``train()`` resumed from (``None``: a fresh start or HF's own
@@ -273,8 +287,13 @@ class CkptstoreTrainerMixin:
             return super()._save_checkpoint(model, trial)
         self.store_flos()                       # collective under DDP, as in HF's own _save_checkpoint
         step = self.state.global_step
-        if self.state.best_global_step == step and self._ckpt_metric() is not None:
-            self.state.best_model_checkpoint = self._ckpt_step_url(step)
+        memory = self.store.memory
+        if self._ckpt_metric() is not None:
+            if memory is None:
+                if self.state.best_global_step == step:
+                    self.state.best_model_checkpoint = self._ckpt_step_url(step)
+            elif memory.promoted(step):
+                self._ckpt_best_on_disk(step)
         for cb in [cb for cb in self.callback_handler.callbacks + [self.control]
                    if isinstance(cb, ExportableState)]:
             name, cb_state = cb.__class__.__name__, cb.state()
@@ -288,8 +307,29 @@ class CkptstoreTrainerMixin:
             self._ckpt_warned_push = True
             log.warning("push_to_hub: checkpoints go to the ckptstore store, not to the Hub; call "
                         "trainer.push_to_hub() after training")
-        self.store.save(state, step, metrics=self._ckpt_metrics(), blocking=self._ckpt_blocking,
-                        names=[f"checkpoint-{step}"], replicated=replicated)
+        out = self.store.save(state, step, metrics=self._ckpt_metrics(), blocking=self._ckpt_blocking,
+                              names=[f"checkpoint-{step}"], replicated=replicated)
+        if out is None:
+            log.debug("step %d is due for no tier of the store (memory every %d, disk every %s): not saved", step,
+                      memory.every, memory.disk_every)
+
+    def _ckpt_logged(self, metric: str, step: int) -> Optional[float]:
+        """``metric``'s value logged at ``step`` (``state.log_history``), or ``None``."""
+        return next((float(e[metric]) for e in reversed(self.state.log_history)
+                     if e.get("step") == step and metric in e), None)
+
+    def _ckpt_best_on_disk(self, step: int) -> None:
+        """With a memory tier: ``best_model_checkpoint`` becomes disk step ``step`` when its metric beats the
+        current best disk step's (HF's rule: strictly greater / less per ``greater_is_better``); memory steps are
+        dropped after ``Memory.keep``, so only a disk step can be loaded at the end."""
+        metric = self._ckpt_metric()
+        value = self._ckpt_logged(metric, step)
+        if value is None:
+            return
+        best = self._ckpt_step_of(self.state.best_model_checkpoint)
+        old = self._ckpt_logged(metric, best) if best is not None else None
+        if old is None or (value > old if self.args.greater_is_better else value < old):
+            self.state.best_model_checkpoint = self._ckpt_step_url(step)
 
     # -- resuming -----------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: Any = None, trial=None, ignore_keys_for_eval=None, **kwargs):
@@ -309,11 +349,12 @@ class CkptstoreTrainerMixin:
         self._ckpt_resume = self.resumed_step = None
         rfc = resume_from_checkpoint
         step: Optional[int] = None
+        whole = False
         if rfc is True or rfc == "auto":
             found = self.store.resolve()
             rfc = None
             if found is not None and found[1] != "load_path":
-                step = found[0]
+                step, whole = found[0], found[1] == "memory"
             elif found is not None:             # no step of this run: the Store's load_path seeds the model
                 self.store.resume({"model": self.model}, strict=False)
                 log.info("no step of this run in %s: the model starts from load_path (%s), training from step 0",
@@ -327,7 +368,7 @@ class CkptstoreTrainerMixin:
         elif isinstance(rfc, str) and _STEP_URL.match(rfc):
             step = self._ckpt_parse_step_url(rfc)
         if step is not None:
-            rfc = self._ckpt_materialise(step)
+            rfc = self._ckpt_materialise(step, whole=whole)
         try:
             return super().train(resume_from_checkpoint=rfc, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval,
                                  **kwargs)
@@ -348,13 +389,28 @@ class CkptstoreTrainerMixin:
             log.info("no step in %s: resuming from transformers' own %s", self.store.root, max(dirs)[1])
         return max(dirs)[1] if dirs else None
 
-    def _ckpt_materialise(self, step: int) -> str:
+    def _ckpt_materialise(self, step: int, whole: bool = False) -> Optional[str]:
         """Read step ``step``'s trainer state from the store and write it as
         ``<output_dir>/.ckptstore-resume/rank<r>/checkpoint-<step>/trainer_state.json`` (the dir HF's ``train``
-        reads it from); the model, optimizer and RNG are restored later by the ``_load_*`` overrides."""
-        holder: Dict[str, Any] = {"trainer_state": None, "ckptstore_hf": None}
-        self.store.restore(holder, step, keys=list(holder))
-        meta, ts = holder["ckptstore_hf"], dict(holder["trainer_state"])
+        reads it from); the model, optimizer and RNG are restored later by the ``_load_*`` overrides.
+
+        ``whole`` (``resolve()`` chose a memory step, which only ``Store.resume`` reads: it rebuilds a lost
+        node's part from peers): every key is read now by ``Store.resume`` into plain values, applied later by
+        the ``_load_*`` overrides; should the memory step fail to load, resume falls back to the disk / remote
+        step it returns. ``None``: resume found nothing (a fresh start)."""
+        loaded: Optional[Dict[str, Any]] = None
+        if whole:
+            loaded = {k: {} for k in ("model", "optimizer", "scheduler", "scaler", "rng", "trainer_state",
+                                      "ckptstore_hf")}
+            got = self.store.resume(loaded, strict=False, rank_local="fresh")
+            if got is None:
+                log.info("no checkpoint of %s loads: fresh start", self.store.root)
+                return None
+            step, holder = got, loaded
+        else:
+            holder = {"trainer_state": None, "ckptstore_hf": None}
+            self.store.restore(holder, step, keys=list(holder))
+        meta, ts = holder.pop("ckptstore_hf"), dict(holder.pop("trainer_state"))
         best = ts.get("best_model_checkpoint")
         if self._ckpt_step_of(best) is not None:   # HF drops a path that is no local dir: set again after that
             ts["best_model_checkpoint"] = None
@@ -366,7 +422,7 @@ class CkptstoreTrainerMixin:
             f.write(json.dumps(ts, indent=2, sort_keys=True, default=_plain) + "\n")
         os.replace(tmp, os.path.join(d, "trainer_state.json"))
         self._ckpt_resume = _Resume(step=step, dir=d, keys=tuple(meta["keys"]), world_size=int(meta["world_size"]),
-                                    best_model_checkpoint=best)
+                                    best_model_checkpoint=best, loaded=loaded)
         self.resumed_step = step
         log.info("resuming from step %d of %s", step, self.store.root)
         return d
@@ -393,7 +449,11 @@ class CkptstoreTrainerMixin:
         r = self._ckpt_mine(resume_from_checkpoint)
         if r is None:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        self.store.restore({"model": model if model is not None else self.model}, r.step, keys=["model"])
+        target = model if model is not None else self.model
+        if r.loaded is not None:
+            target.load_state_dict(r.loaded.pop("model"))
+        else:
+            self.store.restore({"model": target}, r.step, keys=["model"])
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         r = self._ckpt_mine(checkpoint)
@@ -403,8 +463,12 @@ class CkptstoreTrainerMixin:
         if "optimizer" not in r.keys:
             log.warning("step %d was saved with save_only_model=True: it holds no optimizer, scheduler or RNG "
                         "state; they start fresh (training does not continue exactly)", r.step)
-        if keys:
-            self.store.restore({"optimizer": self.optimizer, "scheduler": self.lr_scheduler}, r.step, keys=keys)
+        targets = {"optimizer": self.optimizer, "scheduler": self.lr_scheduler}
+        if r.loaded is not None:
+            for k in keys:
+                targets[k].load_state_dict(r.loaded.pop(k))
+        elif keys:
+            self.store.restore(targets, r.step, keys=keys)
 
     def _load_scaler(self, checkpoint: Optional[str]) -> None:
         r = self._ckpt_mine(checkpoint)
@@ -412,7 +476,10 @@ class CkptstoreTrainerMixin:
             return super()._load_scaler(checkpoint)
         scaler = getattr(self.accelerator, "scaler", None)
         if "scaler" in r.keys and scaler is not None:
-            self.store.restore({"scaler": scaler}, r.step, keys=["scaler"])
+            if r.loaded is not None:
+                scaler.load_state_dict(r.loaded.pop("scaler"))
+            else:
+                self.store.restore({"scaler": scaler}, r.step, keys=["scaler"])
 
     def _load_rng_state(self, checkpoint: Optional[str]) -> None:
         r = self._ckpt_mine(checkpoint)
@@ -423,6 +490,11 @@ class CkptstoreTrainerMixin:
         if r.world_size != self.args.world_size:
             log.warning("step %d was saved by %d processes, this run has %d: the RNG states start fresh "
                         "(reproducibility is not guaranteed)", r.step, r.world_size, self.args.world_size)
+        if r.loaded is not None:
+            rng = r.loaded.pop("rng")
+            if rng:                         # {} (this run's placeholder) when another world size saved it
+                RNGState().load_state_dict(rng)
+            return
         self.store.restore({"rng": RNGState()}, r.step, keys=["rng"], rank_local="fresh")
 
     def _load_best_model(self) -> None:

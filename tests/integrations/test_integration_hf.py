@@ -347,3 +347,37 @@ def test_explicit_step_and_url_resume_in_process(tmp_path, caplog):
 def torch_equal(a, b) -> bool:
     import torch
     return torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_memory_tier_killed_resumes_newest_memory_step_bit_for_bit(tmp_path):
+    """``memory=Memory(every=1, disk_every=4)`` passed through the trainer, a save every step, eval every step,
+    ``load_best_model_at_end``: SIGKILL after step 6's loss (memory holds 4 and 5, the disk 4); the same command
+    resumes from memory step 5 and every loss and eval loss equals an uninterrupted run's bit for bit. The best
+    model loaded at the end is the best *disk* step's (memory steps do not outlive ``Memory.keep``), as in the
+    uninterrupted run."""
+    from ckptstore import Store
+
+    def cmd(d: Path):
+        return ["--out", str(d / "out"), "--store", str(d / "store"), "--log", str(d / "log"), "--eval",
+                "--save-steps", "1", "--steps", "8", "--memory-root", str(d / "mem"), "--disk-every", "4"]
+
+    ref_dir = tmp_path / "ref"
+    ref_res = run_worker(*cmd(ref_dir))
+    ref = as_ref(read_runs(ref_dir / "log"))
+    assert ref_res["resumed_step"] is None
+    with Store(ref_dir / "store", read_only=True) as s:
+        assert s.steps() == [4, 8]                                    # only disk_every steps reach the disk
+    best = best_of(ref, [4, 8])
+    assert ref_res["best_model_checkpoint"] == f"{ref_dir / 'store'}/steps/{best}"
+
+    d = tmp_path / "run"
+    run_worker(*cmd(d), "--kill-at", "6", expect_kill=True)
+    with Store(d / "mem", read_only=True) as mem, Store(d / "store", read_only=True) as disk:
+        # (a memory root is an ordinary store root); step 4's promotion to disk runs in the background
+        assert mem.steps() == [4, 5] and disk.steps() in ([], [4]), (mem.steps(), disk.steps())
+    res = run_worker(*cmd(d))
+    assert res["resumed_step"] == 5 and res["tier"] == "memory", res
+    assert_matches(read_runs(d / "log"), ref, steps=8)
+    assert res["best_model_checkpoint"] == f"{d / 'store'}/steps/{best}"
+    assert res["model"] == ref_res["model"]                          # load_best_model_at_end: the same weights

@@ -477,3 +477,32 @@ def test_a_checkpoint_on_an_epochs_last_batch_with_a_stateful_loader_is_warned(t
     io.teardown()
     _, resumed = fit(ckpt_path=tmp_path / "names" / "step=4.ckpt", max_epochs=2)
     assert resumed.seen == [], "Lightning no longer skips an epoch here: revisit the warning and the doc"
+
+
+@pytest.mark.slow
+def test_memory_tier_killed_resumes_newest_memory_step_bit_for_bit(tmp_path, reference):
+    """``CkptstoreCheckpointIO(memory=Memory(every=2, disk_every=4))`` with ``ModelCheckpoint`` saving every step:
+    odd steps are due for no tier (no stub), even steps go to memory, every 4th to disk. SIGKILL while step 7
+    trains (memory holds 4 and 6, the disk 4); the same command resumes from memory step 6 through
+    ``io.resume_path()`` and every loss equals the uninterrupted run's bit for bit."""
+    from ckptstore import Store
+    mem, root = tmp_path / "mem", tmp_path / "store"
+    args = ("--resume", "io", "--steps", str(STEPS), "--every-n", "1", "--memory-root", str(mem),
+            "--memory-every", "2", "--disk-every", "4")
+    first = Run(tmp_path, *args, "--stall-at", "7")
+    deadline = time.monotonic() + 120
+    while not (7 in [s for s, _ in read_log(tmp_path / "loss.jsonl")] and (root / "steps").is_dir()
+               and Store(root, read_only=True).steps() == [4]):    # step 4's promotion runs in the background
+        assert time.monotonic() < deadline and first.procs[0].poll() is None, first.output()
+        time.sleep(0.1)
+    first.kill()
+    with Store(mem, read_only=True) as m:                # a memory root is an ordinary store root
+        assert m.steps() == [4, 6]
+
+    res = Run(tmp_path, *args).finish()[0]
+    assert res["ckpt_path"] == str(tmp_path / "names" / "last.ckpt") and res["global_step"] == STEPS, res
+    assert first_step_per_process(tmp_path / "loss.jsonl") == [0, 6]
+    assert_same_losses(read_log(tmp_path / "loss.jsonl"), reference)
+    assert all(step % 2 == 0 for step in res["stubs"].values()), res["stubs"]   # no stub for an unsaved step
+    assert res["stubs"]["last.ckpt"] == STEPS and STEPS in res["local_steps"], res
+    assert set(res["local_steps"]) <= {4, 8, 12}, res                        # only disk_every steps on disk

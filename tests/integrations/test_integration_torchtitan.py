@@ -7,6 +7,8 @@ AdamW container, its LR-scheduler container and its per-dp-rank StatefulDataLoad
   the losses equal an uninterrupted run's bit for bit;
 - the same with the local folder wiped: resumes from the loopback S3 server;
 - keep_latest_k: the newest k steps, locally and on the remote, across a restart;
+- the memory tier (``memory_root``, every step to memory, every 4th to disk): SIGKILL, the same command resumes
+  from the newest memory step (newer than every disk step), the losses equal an uninterrupted run's;
 - a torchtitan whose BaseCheckpointManager lacks a hook fails at import, naming it.
 """
 from __future__ import annotations
@@ -148,6 +150,30 @@ def test_sigkill_mid_run_resumes_bit_for_bit(tmp_path, reference):
     assert set(store.load(STEPS, rank=0)) == {"model"} and store.find("model-only") == STEPS
     assert set(store.load(STEPS - 1, rank=0)) == {"model", "optimizer", "lr_scheduler", "dataloader",
                                                   "train_state"}
+
+
+def _committed(root: Path):
+    """The committed steps of a root (a memory root is an ordinary store root: FORMAT.md "The memory tier")."""
+    if not (root / "steps").is_dir():
+        return []
+    with Store(root, read_only=True) as s:
+        return s.steps()
+
+
+def test_memory_tier_sigkill_resumes_newest_memory_step_bit_for_bit(tmp_path, reference):
+    mem = tmp_path / "mem"
+    args = run_args(tmp_path, tmp_path / "log", "--keep", "0", "--step-sleep", "0.3", "--memory-root", str(mem),
+                    "--disk-every", "4")
+    Ranks(2, *args).kill_after(tmp_path / "log", 5, until=lambda: max(_committed(mem), default=0) >= 5)
+    in_memory, on_disk = _committed(mem), _committed(tmp_path / "checkpoint")
+    assert on_disk and all(s % 4 == 0 for s in on_disk), on_disk              # only disk_every steps reach disk
+    assert max(in_memory) > max(on_disk), (in_memory, on_disk)
+    res = Ranks(2, *args).results()
+    assert all(r["loaded"] and r["tier"] == "memory" and r["start"] == max(in_memory) for r in res), \
+        (res, in_memory, on_disk)
+    assert res[0]["ntokens_seen"] == STEPS * 4 * 16
+    assert_same_read_losses(tmp_path / "log", reference)
+    assert _committed(tmp_path / "checkpoint")[-1] == 8       # promotions went on after the resume
 
 
 def _remote_steps(url, so):
