@@ -82,6 +82,7 @@ class MemoryTier:
         self._capacity_warned = False
         self._sweeps = 0                             # memory sweeps this process ran (a full one every so often)
         self._resolved: Optional[int] = None         # the memory step resolve() chose (restore drops newer ones)
+        self.failed: Optional[BaseException] = None  # why the last memory step tried did not load
 
     # -- saving ---------------------------------------------------------------------------------------------
     def save(self, state: Mapping[str, Any], step: int, *, metrics, blocking: bool, names, replicated):
@@ -410,6 +411,9 @@ class MemoryTier:
 
     def _resume_memory(self, state, found: Dict[str, Any], leaders: List[int], *, strict: bool,
                        rank_local: str, keys: Optional[Iterable[str]] = None) -> Optional[int]:
+        """Rebuild memory step ``found`` where a root lacks parts, then load it into ``state``: its step, or
+        ``None`` (the failure, agreed by every rank, logged and kept in ``self.failed``)."""
+        self.failed = None
         step, plan = int(found["step"]), [tuple(int(v) for v in item) for item in found["plan"]]
         t0 = time.perf_counter()
         stats = ReplicationStats()
@@ -433,6 +437,7 @@ class MemoryTier:
             error = self._agree(step, error)
         if error is not None:
             log.warning("memory step %d could not be rebuilt from peers (%s): trying disk and remote", step, error)
+            self.failed = error
             return None
         try:
             got = self.loader.restore(state, step, keys=keys, strict=strict, rank_local=rank_local)
@@ -440,6 +445,7 @@ class MemoryTier:
             raise
         except (CheckpointError, FileNotFoundError) as e:
             log.warning("memory step %d does not load (%s): trying disk and remote", step, e)
+            self.failed = e
             return None
         self.disk_loader.resumed_from = dict(self.loader.resumed_from or {}, tier="memory", url=self.p.root,
                                              peer_bytes=stats.bytes_received, peer_objects=stats.objects_received,
@@ -473,7 +479,15 @@ class MemoryTier:
                 if resolved == got:
                     self._drop_newer(got, leaders)
                 return got
-        return self.disk_loader.restore(state, step, keys=keys, strict=strict, rank_local=rank_local)
+        try:
+            return self.disk_loader.restore(state, step, keys=keys, strict=strict, rank_local=rank_local)
+        except FileNotFoundError as e:
+            failed = self.failed if found is not None else None
+            if step is None or failed is None:
+                raise
+            # the step is committed in memory, damaged there, and no other tier holds it: say so
+            raise CorruptCheckpointError(f"memory copy does not load ({type(failed).__name__}: {failed}) and "
+                                         f"no other tier holds the step ({e})", step=step) from failed
 
     def resolve(self):
         """``Store.resolve`` with a memory tier: ``(step, "memory")`` when resume would take a memory step
