@@ -554,11 +554,11 @@ class MemoryTier:
         if step is not None:
             check_step(step)
             if self.p.catalog.is_committed(step):
-                if self.disk_loader.tier_of(step) is None:
-                    return read(step, "memory")
                 try:
                     return read(step, "memory")
                 except CorruptCheckpointError as e:
+                    if self.disk_loader.tier_of(step) is None:
+                        raise
                     log.warning("memory step %d does not read here (%s): reading another tier's copy", step, e)
             return self.disk_loader.load(step, map_location, rank)
         tried = [(s, "memory") for s in self.p.catalog.committed_steps()] + self.disk_loader.candidates()
