@@ -1,7 +1,8 @@
 """``ckptstore`` command line: parsing and presentation only; every action is a library call.
 
-    ckptstore ls ROOT [--remote URL]           steps: time, ranks, size, bytes unique to the step, metrics,
-                                               latest / best marked, where each is (with --remote)
+    ckptstore ls ROOT [--remote URL] [--memory DIR]
+                                               steps: time, ranks, size, bytes unique to the step, metrics,
+                                               latest / best marked, where each is (with --remote / --memory)
     ckptstore show ROOT [--step N|latest|best] keys of a step: dtype, shape, bytes, chunks, sharding; ranks
     ckptstore verify ROOT [STEP]               read and hash every blob; exit 1 if any step is damaged
     ckptstore gc ROOT [--keep-last N] ...      apply a retention policy, then delete unreferenced blobs
@@ -222,17 +223,22 @@ def _shape(shape) -> str:
 @main.command("ls")
 @click.argument("root")
 @click.option("--remote", default=None, metavar="URL", help="Also list this store; say where each step is.")
+@click.option("--memory", default=None, metavar="DIR",
+              help="Also list this memory-tier root (Memory.root of the run, on this node); say where each step is.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @metric_opt
 @mode_opt
 @storage_options_opt
-def ls_cmd(root, remote, as_json, metric, mode, storage_options):
+def ls_cmd(root, remote, memory, as_json, metric, mode, storage_options):
     """List the steps of a store: committed ones with time, ranks, size, bytes unique to the step and metrics
     (latest and best marked), uncommitted leftovers, and steps a resume set aside (no longer part of the run).
-    With --remote, the steps of both and where each is."""
+    With --remote and / or --memory (the run's memory-tier root), the steps of each and where each is: JSON
+    ``tiers``, e.g. ``["memory", "local"]``, fastest first (and ``location``: local, remote or both, with
+    --remote). A step's details come from the fastest tier holding it."""
     from .lifecycle.rewind import asides
     from .lifecycle.usage import step_usage
-    places = [("local", root)] + ([("remote", remote)] if remote else [])
+    places = ([("memory", memory)] if memory else []) + [("local", root)] + ([("remote", remote)] if remote else [])
+    tiered = bool(remote or memory)
     seen: Dict[str, Dict[int, Any]] = {}
     usage: Dict[str, Dict[int, Any]] = {}
     dirs: List[int] = []
@@ -242,7 +248,7 @@ def ls_cmd(root, remote, as_json, metric, mode, storage_options):
             for a in asides(store.storage):
                 aside_rows.append({"step": a.step, "committed": False, "latest": False, "best": False,
                                    "set_aside": a.name, "resumed": a.resumed, "since": a.since,
-                                   **({"location": name} if remote else {})})
+                                   **({"location": name} if remote else {}), **({"tiers": [name]} if tiered else {})})
             committed = store.steps()
             seen[name] = _commits(store.catalog, committed)
             usage[name] = step_usage(store.catalog, committed,
@@ -259,8 +265,10 @@ def ls_cmd(root, remote, as_json, metric, mode, storage_options):
     for step in sorted(set(dirs) | set(committed)):
         row = {"step": step, "committed": step in committed, "latest": step == latest, "best": step == best}
         if remote:
-            row["location"] = ("both" if all(step in seen[n] for n, _ in places) else
+            row["location"] = ("both" if step in seen["local"] and step in seen["remote"] else
                                next((n for n, _ in places if step in seen[n]), "local"))
+        if tiered:
+            row["tiers"] = [n for n, _ in places if step in seen[n]]
         if step in info:
             name, c = info[step]
             if isinstance(c, str):
@@ -279,11 +287,13 @@ def ls_cmd(root, remote, as_json, metric, mode, storage_options):
     title = f"{root}: {len(seen['local'])} committed step(s)"
     if remote:
         title += f"; {remote}: {len(seen['remote'])}"
+    if memory:
+        title += f"; memory {memory}: {len(seen['memory'])}"
     console.print(_t(title), soft_wrap=True)
     if best is not None:
         console.print(_t(f"best: step {best} by {crit[0]} ({crit[1]})"), soft_wrap=True)
     table = Table()
-    cols = ["step", "state", "created (UTC)", "ranks", "size", "unique", "metrics"] + (["where"] if remote else [])
+    cols = ["step", "state", "created (UTC)", "ranks", "size", "unique", "metrics"] + (["where"] if tiered else [])
     for col in cols:
         table.add_column(col, justify="right" if col in ("step", "size", "ranks", "unique") else "left",
                          overflow="fold")
@@ -305,8 +315,14 @@ def ls_cmd(root, remote, as_json, metric, mode, storage_options):
                       _human(r["bytes_unique"]) if r.get("bytes_unique") is not None else "",
                       _t(" ".join(filter(None, [_metrics_text(r.get("metrics")),
                                                 ", ".join(f"name={n}" for n in r.get("names") or [])]))),
-                      *([_t(r.get("location", ""))] if remote else []))
+                      *([_t(_where(r, memory))] if tiered else []))
     console.print(table)
+
+
+def _where(row, memory) -> str:
+    """The ``where`` column of ``ls``: ``local`` / ``remote`` / ``both`` with --remote alone (as before
+    --memory existed); with --memory the tiers holding the step, fastest first (``memory+local``)."""
+    return "+".join(row.get("tiers") or []) if memory else row.get("location", "")
 
 
 # -- show ---------------------------------------------------------------------------------------------------

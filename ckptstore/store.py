@@ -87,9 +87,9 @@ class Store:
             weights-only fine-tuning); the other entries of ``state`` keep their fresh values.
         memory: a :class:`~ckptstore.memtier.memory.Memory`: a RAM-backed tier in front of ``root`` (the disk)
             and the remote, with its own cadence, capacity, promotion to disk and peer replication (its docstring;
-            FORMAT.md "The memory tier"). ``save`` of a step due for no tier returns ``None``; ``resume`` /
-            ``resolve`` look at memory first. Collective to construct when it replicates (it makes a gloo group
-            of its own). Not with ``read_only`` (``ValueError``).
+            FORMAT.md "The memory tier"). ``save`` of a step due for no tier returns ``None``; every read looks at
+            memory first (:meth:`step_tiers`). Collective to construct when it replicates (a gloo group of its
+            own). Not with ``read_only`` (``ValueError``).
         read_only: open the store to read only (a rank that only loads, a second process inspecting a run):
             no uploader, no writer lease, no retention; a step only the remote holds is read straight from it,
             never pulled into ``root``. :meth:`save`, :meth:`pull`, :meth:`gc` and :meth:`delete_step` raise
@@ -131,7 +131,7 @@ class Store:
         self._tier: Optional[MemoryTier] = None if memory is None else MemoryTier(
             memory, disk=p, disk_saver=self._saver, disk_loader=self._loader, writing=writing, config=config,
             config_may_change=config_may_change, on_rewind=on_rewind)
-        # save, wait, resolve, restore and resume go to the memory tier when there is one (it falls back to disk)
+        # saves and reads go to the memory tier when there is one (it falls back to disk)
         self._saves = self._saver if self._tier is None else self._tier
         self._reads = self._loader if self._tier is None else self._tier
 
@@ -197,9 +197,8 @@ class Store:
         return self._saves.save(state, step, metrics=metrics, blocking=blocking, names=names, replicated=replicated)
 
     def wait(self, timeout: Optional[float] = None) -> Optional[SaveResult]:
-        """Wait for the non-blocking save in flight, if any, and return its result (``None`` if there is none).
-        Raises its error if nobody has seen it yet. With ``memory``: the memory save (promotions to disk go on
-        in the background, as uploads do: :meth:`wait_for_uploads` waits for both)."""
+        """Wait for the non-blocking save in flight, if any (with ``memory``: the memory save; promotions go on
+        as uploads do: :meth:`wait_for_uploads`), and return its result or ``None``; raise its unseen error."""
         return self._saves.wait(timeout)
 
     @_guard()
@@ -216,17 +215,21 @@ class Store:
 
     # -- reading ------------------------------------------------------------------------------------------
     def steps(self) -> List[int]:
-        """Committed steps, ascending (their contents are verified when loaded, not here)."""
-        return self.catalog.committed_steps()
+        """Committed steps of the local root and, with ``memory``, of the memory root: ascending, each once (not
+        the remote's: :meth:`step_tiers`). Contents are verified when loaded, not here (README "Memory tier")."""
+        return self._reads.steps()
+
+    def step_tiers(self) -> Dict[int, List[str]]:
+        """Committed step -> the tiers holding it, fastest first: ``"memory"``, ``"local"``, ``"remote"``."""
+        return self._reads.step_tiers()
 
     def latest_step(self) -> Optional[int]:
-        """The newest committed step, or ``None``. Uses the latest pointer when it names a committed step
-        at least as new as every listed one."""
-        return self._loader.latest_step()
+        """The newest of :meth:`steps`, or ``None``."""
+        return self._reads.latest_step()
 
     def commit_info(self, step: int) -> Commit:
-        """The commit marker of ``step`` (metrics, config, sizes). Raises ``CorruptCheckpointError``."""
-        return self.catalog.read_commit(step)
+        """The commit marker of ``step`` (memory's first): metrics, config, sizes. Raises CorruptCheckpointError."""
+        return self._reads.commit_info(step)
 
     @_guard()
     def best_step(self) -> Optional[int]:
@@ -240,39 +243,37 @@ class Store:
     def load(self, step: Optional[int] = None, map_location: MapLocation = "cpu", *,
              rank: Optional[int] = None) -> Dict[str, Any]:
         """Load a committed step into a nested dict of tensors, arrays and plain values (Stateful objects'
-        ``state_dict()`` as saved). ``step=None``: the newest *valid* step over the local root and the remote
-        (older ones are tried, with a warning, when the newest is corrupt). An explicit ``step`` is never
-        substituted. A step only the remote holds is read straight from it (nothing is written locally).
-        Not collective: any rank may call it alone.
-
-        Raises ``CorruptCheckpointError`` (naming step, key and blob), ``IncompatibleCheckpointError``, or
-        ``FileNotFoundError`` when neither tier holds a committed step / this step.
-        """
-        return self._loader.load(step, map_location, rank)
+        ``state_dict()`` as saved). ``step=None``: the newest *valid* step over memory, the local root and the
+        remote (another copy, then older steps are tried, with a warning, when one is corrupt); an explicit
+        ``step`` is never substituted (its memory copy is read first, another tier's if that is damaged). A step
+        only the remote holds is read straight from it (nothing is written locally). Not collective. Raises
+        ``CorruptCheckpointError`` (naming step, key and blob), ``IncompatibleCheckpointError``, or
+        ``FileNotFoundError`` when no tier holds a committed step / this step."""
+        return self._reads.load(step, map_location, rank)
 
     def find(self, name: str) -> Optional[int]:
-        """The newest committed step (local, else remote) whose commit marker carries ``name`` (see ``save(...,
+        """The newest committed step (memory, local, remote) whose commit marker carries ``name`` (see ``save(...,
         names=)``), or ``None``. Reads one commit marker per step, newest first; damaged markers are skipped."""
-        return self._loader.find(name)
+        return self._reads.find(name)
 
     @_guard()
     def resolve(self) -> Optional[Tuple[Optional[int], str]]:
         """The step :meth:`resume` would start from, without loading it: ``(step, tier)`` with ``tier`` one of
         ``"memory"`` (with ``memory=``: a step the nodes' memory roots hold whole), ``"local"``, ``"remote"``,
-        ``"load_path"`` (``step`` is ``None`` when ``load_path`` names Hub-format
-        weights), or ``None`` for a fresh start. A candidate counts when its commit marker reads and checks
-        (digest, format) and, for the local root, this rank's manifest is there: one listing and about one
-        marker read per tier; chunks are verified by the load itself (:meth:`restore` still falls back to
-        an older step if they are damaged). Under torch.distributed it is collective: rank 0 decides and every
-        rank gets its answer."""
+        ``"load_path"`` (``step`` is ``None`` when ``load_path`` names Hub-format weights), or ``None`` for a
+        fresh start. A candidate counts when its commit marker reads and checks (digest, format) and, for the
+        local root, this rank's manifest is there: one listing and about one marker read per tier; chunks are
+        verified by the load itself (:meth:`restore` still falls back to an older step if they are damaged).
+        Under torch.distributed it is collective: rank 0 decides and every rank gets its answer."""
         return self._reads.resolve()
 
     @_guard()
     def restore(self, state: MutableMapping[str, Any], step: Optional[int] = None, *,
                 keys: Optional[Iterable[str]] = None, strict: bool = True, rank_local: str = "error") -> int:
-        """Load a chosen committed step into ``state`` in place and return it: ``step=None`` is the newest valid
-        step over the local root and the remote (an older one is taken, logged, when it is damaged); an explicit
-        ``step`` is never substituted. Unlike :meth:`resume` it never falls back to ``load_path`` or to a fresh start.
+        """Load a chosen committed step into ``state`` in place and return it: ``step=None`` is the step
+        :meth:`resume` would take (memory first; an older one is taken, logged, when it is damaged); an explicit
+        ``step`` is never substituted (a memory copy the nodes hold whole first, else the disk's or remote's).
+        Unlike :meth:`resume` it never falls back to ``load_path`` or to a fresh start.
 
         ``keys``: restore only these top-level keys of ``state`` (each must be in the step and in ``state``;
         the others keep their values): a trainer that restores model, optimizer and RNG at different moments

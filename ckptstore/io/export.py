@@ -123,8 +123,9 @@ def export_step(store, out, *, step: Optional[int] = None, key: str = "model",
     fmt = fmt or format_of(out)
     if fmt not in ("safetensors", "torch"):
         raise ValueError(f"format must be 'safetensors' or 'torch', got {fmt!r}")
-    if step is None:
-        step = store.latest_step()
+    if step is None:                     # the root it reads (a memory tier's steps are not in store.catalog)
+        committed = store.catalog.committed_steps()
+        step = committed[-1] if committed else None
         if step is None:
             raise FileNotFoundError(f"no committed step in {store.root}")
     value = read_key(store, step, key)

@@ -27,8 +27,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from ..format.blobs import digest_bytes
 from ..distributed.commit import root_identity
-from ..util.errors import CheckpointError, IncompatibleCheckpointError
-from ..format.layout import manifest_path
+from ..util.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
+from ..format.layout import check_step, manifest_path
 from ..lifecycle.lease import read_epoch
 from ..orchestration.loading import Loader
 from .memory import (FULL_SWEEP_EVERY, Memory, NodeLock, dropped_chunks, next_to_drop, over_keep, root_usage,
@@ -81,6 +81,8 @@ class MemoryTier:
         self._promote_error: Optional[BaseException] = None
         self._capacity_warned = False
         self._sweeps = 0                             # memory sweeps this process ran (a full one every so often)
+        self._resolved: Optional[int] = None         # the memory step resolve() chose (restore drops newer ones)
+        self.failed: Optional[BaseException] = None  # why the last memory step tried did not load
 
     # -- saving ---------------------------------------------------------------------------------------------
     def save(self, state: Mapping[str, Any], step: int, *, metrics, blocking: bool, names, replicated):
@@ -255,13 +257,15 @@ class MemoryTier:
     def _no_pull(self, *a, **k):                       # pragma: no cover - the memory loader has no remote
         raise CheckpointError("the memory tier has no remote to pull from")
 
-    def _inventory(self) -> Dict[str, Any]:
-        """This rank's memory root as the ranks' choice needs it: per committed step (newest ``INVENTORY``),
-        the commit marker's digest, its world size and the saved ranks whose manifest this root holds; plus
-        this rank's newest disk step."""
+    def _inventory(self, only: Optional[int] = None) -> Dict[str, Any]:
+        """This rank's memory root as the ranks' choice needs it: per committed step (newest ``INVENTORY``, or
+        ``only`` that step), the commit marker's digest, its world size and the saved ranks whose manifest this
+        root holds; plus this rank's newest disk step."""
         p = self.p
         steps: Dict[str, Any] = {}
-        for s in reversed(p.catalog.committed_steps()[-INVENTORY:]):
+        listed = p.catalog.committed_steps()[-INVENTORY:] if only is None else (
+            [only] if p.catalog.is_committed(only) else [])
+        for s in reversed(listed):
             try:
                 data, commit = p.catalog.read_commit_bytes(s)
             except CheckpointError as e:
@@ -280,9 +284,9 @@ class MemoryTier:
         disk = self.disk.catalog.committed_steps()
         return {"where": self.where, "steps": steps, "disk": disk[-1] if disk else None}
 
-    def _choose_local(self, reports: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    def _choose_local(self, reports: List[Dict[str, Any]], only: Optional[int] = None) -> Optional[Dict[str, Any]]:
         """Rank 0: the memory step to resume from and the rebuild plan, or ``None`` (see the module
-        docstring)."""
+        docstring). ``only``: that step or ``None`` (a newer disk step does not count then)."""
         world = self.p.world_size
         roots: Dict[str, List[int]] = {}
         for r, rep in enumerate(reports):
@@ -290,7 +294,7 @@ class MemoryTier:
         disk_newest = max([rep["disk"] for rep in reports if rep.get("disk") is not None], default=None)
         steps = sorted({int(s) for rep in reports for s in rep["steps"]}, reverse=True)
         for s in steps:
-            if disk_newest is not None and s < disk_newest:
+            if only is None and disk_newest is not None and s < disk_newest:
                 log.info("memory steps are older than disk step %d: resuming from disk or remote", disk_newest)
                 return None
             markers: Dict[str, Dict[str, set]] = {}
@@ -335,17 +339,17 @@ class MemoryTier:
                     "leaders": [ranks[0] for ranks in roots.values()]}
         return None
 
-    def choose(self) -> Optional[Dict[str, Any]]:
-        """Collective: every rank's inventory to rank 0, its choice to every rank."""
-        rep = self._inventory()
+    def choose(self, only: Optional[int] = None) -> Optional[Dict[str, Any]]:
+        """Collective: every rank's inventory to rank 0, its choice to every rank (``only``: of that step)."""
+        rep = self._inventory(only)
         coord = self.p.coord
         if coord is None:
-            return self._choose_local([rep])
+            return self._choose_local([rep], only)
         tag = coord.next_tag("memory-resume")
         reports = coord.gather(f"{tag}/inventory", rep, self.p.collective_timeout)
         choice = None
         if coord.rank == 0:
-            choice = {"found": self._choose_local(reports), "leaders": sorted(_leaders(reports))}
+            choice = {"found": self._choose_local(reports, only), "leaders": sorted(_leaders(reports))}
         return coord.broadcast(f"{tag}/choice", choice, self.p.collective_timeout)
 
     def resume(self, state, *, strict: bool, rank_local: str) -> Optional[int]:
@@ -406,7 +410,10 @@ class MemoryTier:
         return error
 
     def _resume_memory(self, state, found: Dict[str, Any], leaders: List[int], *, strict: bool,
-                       rank_local: str) -> Optional[int]:
+                       rank_local: str, keys: Optional[Iterable[str]] = None) -> Optional[int]:
+        """Rebuild memory step ``found`` where a root lacks parts, then load it into ``state``: its step, or
+        ``None`` (the failure, agreed by every rank, logged and kept in ``self.failed``)."""
+        self.failed = None
         step, plan = int(found["step"]), [tuple(int(v) for v in item) for item in found["plan"]]
         t0 = time.perf_counter()
         stats = ReplicationStats()
@@ -430,13 +437,15 @@ class MemoryTier:
             error = self._agree(step, error)
         if error is not None:
             log.warning("memory step %d could not be rebuilt from peers (%s): trying disk and remote", step, error)
+            self.failed = error
             return None
         try:
-            got = self.loader.restore(state, step, keys=None, strict=strict, rank_local=rank_local)
+            got = self.loader.restore(state, step, keys=keys, strict=strict, rank_local=rank_local)
         except IncompatibleCheckpointError:
             raise
         except (CheckpointError, FileNotFoundError) as e:
             log.warning("memory step %d does not load (%s): trying disk and remote", step, e)
+            self.failed = e
             return None
         self.disk_loader.resumed_from = dict(self.loader.resumed_from or {}, tier="memory", url=self.p.root,
                                              peer_bytes=stats.bytes_received, peer_objects=stats.objects_received,
@@ -447,20 +456,118 @@ class MemoryTier:
         log.info("resumed memory step %d (%d bytes rebuilt from peers)", got, stats.bytes_received)
         return got
 
-    def restore(self, state, step: Optional[int], **kw) -> int:
-        """``Store.restore`` with a memory tier: the disk store's (``disk_loader``), once the promotions queued
-        are done (they use the disk store's collectives, as restore does)."""
+    def restore(self, state, step: Optional[int], *, keys: Optional[Iterable[str]], strict: bool,
+                rank_local: str) -> int:
+        """``Store.restore`` with a memory tier, once the memory save in flight and the promotions queued are
+        done (they use the disk store's collectives, as restore does). The memory step ``resume`` would take
+        (``step=None``: the newest the nodes hold whole, unless a disk step is newer) or ``step`` when the nodes
+        hold it whole, rebuilt from peers where a node lacks parts; when there is none or it fails on any rank
+        (logged), the disk store's ``restore`` of the same ``step`` (or of the newest valid disk / remote step).
+        After :meth:`resolve` chose a memory step, restoring it drops the memory steps newer than it, as
+        ``resume`` does."""
+        if step is not None:
+            check_step(step)
+        self.saver.wait()
         self.wait_for_promotions()
-        return self.disk_loader.restore(state, step, **kw)
+        resolved, self._resolved = self._resolved, None
+        choice = self.choose(step)
+        found = choice.get("found") if self.p.coord is not None else choice
+        leaders = choice.get("leaders", [0]) if self.p.coord is not None else [0]
+        if found is not None:
+            got = self._resume_memory(state, found, leaders, strict=strict, rank_local=rank_local, keys=keys)
+            if got is not None:
+                if resolved == got:
+                    self._drop_newer(got, leaders)
+                return got
+        try:
+            return self.disk_loader.restore(state, step, keys=keys, strict=strict, rank_local=rank_local)
+        except FileNotFoundError as e:
+            failed = self.failed if found is not None else None
+            if step is None or failed is None:
+                raise
+            # the step is committed in memory, damaged there, and no other tier holds it: say so
+            raise CorruptCheckpointError(f"memory copy does not load ({type(failed).__name__}: {failed}) and "
+                                         f"no other tier holds the step ({e})", step=step) from failed
 
     def resolve(self):
         """``Store.resolve`` with a memory tier: ``(step, "memory")`` when resume would take a memory step
         (whole between the nodes; its chunks are verified by the load), else the disk store's ``resolve()``."""
+        self._resolved = None
         choice = self.choose()
         found = choice.get("found") if self.p.coord is not None else choice
         if found is not None:
+            self._resolved = int(found["step"])
+            self.disk_loader._resolved = None       # restore of this step is the memory tier's
             return int(found["step"]), "memory"
         return self.disk_loader.resolve()
+
+    # -- what one rank sees: steps, markers, load (not collective) --------------------------------------------
+    def steps(self) -> List[int]:
+        """Committed steps of the memory root and the disk root, ascending, each once."""
+        return sorted(set(self.p.catalog.committed_steps()) | set(self.disk_loader.steps()))
+
+    def latest_step(self) -> Optional[int]:
+        """The newest committed step of the memory root and the disk root, or ``None``."""
+        mem = self.p.catalog.committed_steps()
+        disk = self.disk_loader.latest_step()
+        return max([s for s in (mem[-1] if mem else None, disk) if s is not None], default=None)
+
+    def step_tiers(self) -> Dict[int, List[str]]:
+        """Committed step -> ``["memory", "local", "remote"]``, the tiers holding it (fastest first)."""
+        out = {s: ["memory"] for s in self.p.catalog.committed_steps()}
+        for s, tiers in self.disk_loader.step_tiers().items():
+            out.setdefault(s, []).extend(tiers)
+        return dict(sorted(out.items()))
+
+    def commit_info(self, step: int):
+        """The commit marker of ``step``: the memory root's, else (none, or damaged: logged) the disk root's."""
+        if self.p.catalog.is_committed(step):
+            try:
+                return self.p.catalog.read_commit(step)
+            except CheckpointError as e:
+                if not self.disk.catalog.is_committed(step):
+                    raise
+                log.warning("memory step %d: commit marker damaged (%s): reading the disk's", step, e)
+        return self.disk_loader.commit_info(step)
+
+    def find(self, name: str) -> Optional[int]:
+        """The newest committed step of any tier whose commit marker carries ``name`` (memory markers newest
+        first, then the disk store's ``find``); damaged markers are skipped."""
+        for s in reversed(self.p.catalog.committed_steps()):
+            try:
+                if name in self.p.catalog.read_commit(s).names:
+                    disk = self.disk_loader.find(name)
+                    return s if disk is None else max(s, disk)
+            except CheckpointError:
+                continue
+        return self.disk_loader.find(name)
+
+    def load(self, step: Optional[int], map_location, rank: Optional[int]) -> Dict[str, Any]:
+        """``Store.load`` with a memory tier. ``step``: read from the memory root when it holds the step, else
+        (not there, or damaged / this rank's part missing there: logged) from the disk store's tiers; ``None``:
+        the newest step across memory, disk and remote, newest first, the memory copy of a step first; a copy
+        that does not read (verified) is logged and the next one tried. Raises as ``Store.load``."""
+        def read(s: int, tier: str) -> Dict[str, Any]:
+            if tier == "memory":
+                return self.loader.read_step(s, map_location=map_location, rank=rank)
+            return self.disk_loader.read_step(s, map_location=map_location, rank=rank, tier=tier)
+        if step is not None:
+            check_step(step)
+            if self.p.catalog.is_committed(step):
+                try:
+                    return read(step, "memory")
+                except CorruptCheckpointError as e:
+                    if self.disk_loader.tier_of(step) is None:
+                        raise
+                    log.warning("memory step %d does not read here (%s): reading another tier's copy", step, e)
+            return self.disk_loader.load(step, map_location, rank)
+        tried = [(s, "memory") for s in self.p.catalog.committed_steps()] + self.disk_loader.candidates()
+        for s, tier in sorted(tried, key=lambda c: (-c[0], c[1] != "memory")):
+            try:
+                return read(s, tier)
+            except CorruptCheckpointError as e:
+                log.warning("step %d (%s) is corrupt, trying another copy or an older step: %s", s, tier, e)
+        raise FileNotFoundError(f"no valid committed step in {self.p.root}, {self.disk.where()}")
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -131,6 +131,30 @@ class Loader:
                              "fresh while the remote may hold its steps; run it again once the object store "
                              "answers (or open the store without its remote to start fresh)")
 
+    def steps(self) -> List[int]:
+        """The local root's committed steps, ascending (see :meth:`ckptstore.store.Store.steps`)."""
+        return self.p.catalog.committed_steps()
+
+    def commit_info(self, step: int) -> Commit:
+        """The local commit marker of ``step``. Raises ``CorruptCheckpointError``."""
+        return self.p.catalog.read_commit(step)
+
+    def step_tiers(self) -> Dict[int, List[str]]:
+        """Committed step -> the tiers holding it, ``"local"`` before ``"remote"`` (see
+        :meth:`ckptstore.store.Store.step_tiers`): one listing of each; a remote that cannot be listed in one
+        attempt is logged and left out."""
+        out: Dict[int, List[str]] = {s: ["local"] for s in self.p.catalog.committed_steps()}
+        if self.p.remote_storage is not None:
+            try:
+                remote = self._listed_once(lambda: Catalog(self.p.remote_storage, self.p.decoded).committed_steps())
+            except Exception as e:
+                log.warning("step_tiers: remote %s unreachable (%s: %s): local steps only", self.p.remote_storage.url,
+                            type(e).__name__, e)
+                remote = []
+            for s in remote:
+                out.setdefault(s, []).append("remote")
+        return dict(sorted(out.items()))
+
     def latest_step(self) -> Optional[int]:
         """The newest local committed step, or ``None`` (see :meth:`ckptstore.store.Store.latest_step`)."""
         steps = self.p.catalog.committed_steps()
@@ -259,15 +283,15 @@ class Loader:
             tier = self.tier_of(step)
             if tier is None:
                 raise FileNotFoundError(f"step {step} is not committed in {self.p.where()}")
-            return self._read(step, map_location=map_location, rank=rank, tier=tier)
+            return self.read_step(step, map_location=map_location, rank=rank, tier=tier)
         for s, tier in self.candidates():
             try:
-                return self._read(s, map_location=map_location, rank=rank, tier=tier)
+                return self.read_step(s, map_location=map_location, rank=rank, tier=tier)
             except CorruptCheckpointError as e:
                 log.warning("step %d (%s) is corrupt, trying an older one: %s", s, tier, e)
         raise FileNotFoundError(f"no valid committed step in {self.p.where()}")
 
-    def _read(self, step: int, *, map_location: MapLocation, rank: Optional[int] = None,
+    def read_step(self, step: int, *, map_location: MapLocation, rank: Optional[int] = None,
               tier: str = "local") -> Dict[str, Any]:
         """One rank's part of a committed step as a nested dict, sharded values as full tensors, read from the
         local root or (``tier="remote"``) straight from the remote. A single-process store may read any rank's

@@ -87,7 +87,9 @@ def test_memory_cadences_promote_and_upload_only_the_steps_they_name(tmp_path):
             out = s.save({"w": torch.full((1000,), float(step))}, step)
             assert (out is None) == (step % 2 == 1)
         s.wait_for_uploads()
-        assert s.steps() == [4, 8]
+        assert Store(tmp_path / "disk", read_only=True).steps() == [4, 8]
+        assert s.steps() == [4, 8, 10]                 # with the memory tier's steps (issue 29)
+        assert s.step_tiers() == {4: ["local"], 8: ["memory", "local", "remote"], 10: ["memory"]}
         assert Store(url, read_only=True).steps() == [8]
         assert Store(tmp_path / "mem", read_only=True).steps() == [8, 10]
     with Store(tmp_path / "disk", memory=mem, remote=Remote(url, every=8)) as s:

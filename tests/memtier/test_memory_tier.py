@@ -229,9 +229,9 @@ def lose_node1(d: Path) -> None:
     (d / "disk1").mkdir()
 
 
-def restart(c: Cluster, name: str) -> dict:
+def restart(c: Cluster, name: str, *extra: str) -> dict:
     c.proxy.mark(f"{name}-restart")
-    job = Job(4, *c.args("run", "--mark", c.proxy.endpoint), script=WORKER)
+    job = Job(4, *c.args("run", "--mark", c.proxy.endpoint, *extra), script=WORKER)
     res = job.check(240)
     c.last_requests = c.proxy.requests_between(f"{name}-restart", "resumed")
     c.last_output = outputs(job)
@@ -285,6 +285,23 @@ def test_node_loss_moves_no_more_than_the_lost_unique_chunks(cluster):
     assert sum(peer.values()) <= got["lost_unique"], (
         f"peers sent {peer} = {sum(peer.values())} bytes, more than the unique chunk bytes of ranks 2 and 3's "
         f"parts of step {KILL_AFTER} ({got['lost_unique']})")
+
+
+def test_node_loss_resolve_then_restore_takes_the_memory_step(cluster):
+    """The trainers' way (Store.resolve, then Store.restore of that step, issue 29): resolve names the memory
+    step the nodes hold whole, and restore rebuilds node 1's parts from its peers and loads it, bit for bit
+    (it used to raise FileNotFoundError: restore read only the disk and the remote)."""
+    c = cluster
+    d = restore(c)
+    lose_node1(d)
+    res = restart(c, "resolve", "--resume-by", "resolve")
+    for r, out in res.items():
+        rf = out["resumed_from"]
+        assert out["resumed"] == KILL_AFTER and rf["tier"] == "memory" and rf["step"] == KILL_AFTER, (r, rf)
+    peer = {r: out["resumed_from"].get("peer_bytes", 0) for r, out in res.items()}
+    assert peer[0] == peer[1] == 0 and peer[2] + peer[3] > 0, peer
+    assert object_reads(c.last_requests) == [], c.last_requests
+    check_losses(c)
 
 
 # -- 2. a corrupt replica, and both replicas lost: the next tier, once ---------------------------------------------
