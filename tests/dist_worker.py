@@ -117,8 +117,8 @@ def batch(step, rank, world):
     return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
 
 
-def train_step(model, optim, step, rank, world):
-    x, y = batch(step, rank, world)
+def train_step(model, optim, step, rank, world, tp=1):
+    x, y = batch(step, rank // tp, world // tp)
     loss = nn.functional.cross_entropy(model(x), y)
     optim.zero_grad()
     loss.backward()
@@ -137,6 +137,18 @@ def digests(model, optim):
             t = t.to_local() if hasattr(t, "to_local") else t
             digest.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return {"digest": digest.hexdigest(), "rng": hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()}
+
+
+def target_boxes(model):
+    """parameter name -> [offset, shape] of this rank's local shard, by torch's own
+    ``compute_local_shape_and_global_offset`` (DTensor parameters only)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    out = {}
+    for name, p in model.state_dict().items():
+        if hasattr(p, "device_mesh"):
+            shape, off = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            out[name] = [[int(x) for x in off], [int(x) for x in shape]]
+    return out
 
 
 def full_state(model, optim):
@@ -228,7 +240,7 @@ def main():
         result({"rank": rank, "result": "loaded", "step": step, **digests(model, optim),
                 "tier": (store.resumed_from or {}).get("tier"),
                 "manifests_read": (store.resumed_from or {}).get("manifests_read"),
-                "progress": state.get("progress")})
+                "progress": state.get("progress"), "boxes": target_boxes(model)})
         close_and_report(store, rank)
         finish()
         return
@@ -238,7 +250,9 @@ def main():
     assert step == start, (step, start)
     while step < args.steps:
         step += 1
-        loss = train_step(model, optim, step, rank, world)
+        # the tp ranks of a dp x tp mesh see their dp rank's batch (tensor parallelism splits one batch's work;
+        # different batches would make the tp-replicated values, norms and biases, differ between tp ranks)
+        loss = train_step(model, optim, step, rank, world, tp=mesh_shape[1] if len(mesh_shape) == 2 else 1)
         if progress is not None:
             progress["consumed"] += 8
         state["step"] = step

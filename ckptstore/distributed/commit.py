@@ -262,7 +262,7 @@ def commit_across_ranks(coord: Coordinator, tag: str, step: int, *, manifest: Op
             lead["rank_local"] = None if rank_local is None else [list(x) for x in rank_local]
         elif manifest is not None and any(n.kind == "dtensor" for n in manifest.nodes):
             log.warning("step %d: the ranks' DTensor layouts differ or do not follow torch's sharding rule "
-                        "(e.g. _StridedShard placements): no shard map, a resume on another world size reads "
+                        "(e.g. uneven _StridedShard placements): no shard map, a resume on another world size reads "
                         "every rank's manifest", step)
         data = encode_commit(commit)
         write_marker(data)

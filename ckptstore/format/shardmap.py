@@ -14,8 +14,17 @@ box by walking the mesh dims (a bisection per ``Shard`` dim, one coordinate per 
 scanning ranks. The map is exact only when every rank laid its shards out alike, so at every save each rank
 sends rank 0 8 bytes hashing its layout (key hashes, global shapes, placements, mesh grids) and one bit saying
 its own boxes are what the rule gives for its coordinate (:func:`layout`); rank 0 writes a map only when every
-rank's layout equals its own and every bit is set. Placements other than ``Shard(d)`` / ``Replicate`` (e.g.
-``_StridedShard`` of FSDP2 + TP) are recorded but not walked: a reader reads every manifest for those keys.
+rank's layout equals its own and every bit is set.
+
+**FSDP2 + tensor parallel** (issue 29): ``_StridedShard(d, split_factor=sf)`` (FSDP2's dim over a dim tensor
+parallelism already shards) is walked like ``Shard``, by torch's ``_StridedShard._split_tensor`` rule: chunk the
+extent into ``sf`` pieces, each piece into the mesh dim's size, a coordinate holding its chunk of every piece. A
+rank may thus hold several intervals of a dim; a save where some rank's are not one box (uneven strided shards,
+which torch's single (offset, shape) does not describe) writes no map. DTensors on a sub-mesh (the norms on
+FSDP2's ``dp`` mesh of a ``dp x tp`` mesh: a different rank grid per tp rank) are described on the grid of every
+slice of the sub-mesh (:func:`~ckptstore.state.sharding.mesh_grid`), a leading mesh dim whose slices hold the
+same shards (``"rule": 2``). Other placements are recorded but not walked: a reader reads every manifest for
+those keys.
 
 **Rank-local values** are found by group digests: each rank hashes its plain values (not DTensors, not keys
 saved as replicated) in at most :data:`MAX_GROUPS` groups (top-level keys, split into their children where a
@@ -120,19 +129,27 @@ def _order(paths: List[KeyPath]) -> bytes:
 
 # -- what each rank sends at a save ---------------------------------------------------------------------------
 _S_RE = re.compile(r"S\((\d+)\)")
+_SS_RE = re.compile(r"_S\((\d+), (\d+)\)")         # torch's str(_StridedShard(dim, split_factor=sf))
+
+Parsed = List[Tuple[str, int, int]]                 # (kind "S" / "SS" / "R", tensor dim, split factor)
 
 
-def parse_placements(placements: Sequence[str]) -> Optional[List[Tuple[str, int]]]:
-    """``("S(0)", "R")`` -> ``[("S", 0), ("R", -1)]``; ``None`` when some placement is neither (not walked)."""
+def parse_placements(placements: Sequence[str]) -> Optional[Parsed]:
+    """``("_S(0, 2)", "S(0)", "R")`` -> ``[("SS", 0, 2), ("S", 0, 1), ("R", -1, 1)]``; ``None`` when some
+    placement is none of these (not walked)."""
     out = []
     for p in placements:
         if p == "R":
-            out.append(("R", -1))
-        else:
-            m = _S_RE.fullmatch(p)
-            if m is None:
-                return None
-            out.append(("S", int(m.group(1))))
+            out.append(("R", -1, 1))
+            continue
+        m = _S_RE.fullmatch(p)
+        if m is not None:
+            out.append(("S", int(m.group(1)), 1))
+            continue
+        m = _SS_RE.fullmatch(p)
+        if m is None or int(m.group(2)) < 1:
+            return None
+        out.append(("SS", int(m.group(1)), int(m.group(2))))
     return out
 
 
@@ -146,28 +163,93 @@ def _chunk(size: int, n: int, c: int) -> Tuple[int, int]:
     return max(0, min(size, off + per) - off), off
 
 
+Intervals = List[Tuple[int, int]]                   # (offset, size) along one dim, in the local shard's order
+
+
+def _select(iv: Intervals, start: int, n: int) -> Intervals:
+    """Elements ``[start, start + n)`` of the concatenation of ``iv``, as intervals of the global dim."""
+    out, pos, end = [], 0, start + n
+    for a, s in iv:
+        lo, hi = max(start, pos), min(end, pos + s)
+        if lo < hi:
+            out.append((a + lo - pos, hi - lo))
+        pos += s
+        if pos >= end:
+            break
+    return out
+
+
+def _split(iv: Intervals, kind: str, sf: int, n: int, c: int) -> Intervals:
+    """What coordinate ``c`` of a mesh dim of ``n`` keeps of a dim holding ``iv``: ``S`` takes chunk ``c`` of
+    the concatenation (torch.chunk); ``SS`` (``_StridedShard(d, split_factor=sf)``, FSDP2 over tensor parallel)
+    chunks it into ``sf`` pieces, each piece into ``n``, and takes chunk ``c`` of every piece, in piece order
+    (torch's ``_StridedShard._split_tensor``). The result may be several intervals (a strided shard)."""
+    total = sum(s for _, s in iv)
+    if kind == "S":
+        sz, o = _chunk(total, n, c)
+        return _select(iv, o, sz)
+    out: Intervals = []
+    for j in range(sf):
+        psz, po = _chunk(total, sf, j)
+        ssz, so = _chunk(psz, n, c)
+        out += _select(iv, po + so, ssz)
+    return out
+
+
+def _merge(iv: Intervals) -> Intervals:
+    """``iv`` with consecutive intervals that continue each other joined (the local order is kept)."""
+    out: List[List[int]] = []
+    for a, s in iv:
+        if out and out[-1][0] + out[-1][1] == a:
+            out[-1][1] += s
+        else:
+            out.append([a, s])
+    return [(a, s) for a, s in out]
+
+
 def rule_box(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
-             parsed: List[Tuple[str, int]]) -> Box:
-    """The box ``(offset, shape)`` the coordinate ``coord`` holds by rule (mesh dims applied left to right)."""
+             parsed: Parsed) -> Optional[Box]:
+    """The box ``(offset, shape)`` the coordinate ``coord`` holds by rule (mesh dims applied left to right);
+    ``None`` when what it holds is no box (a strided shard whose pieces do not join up: torch's single
+    (offset, shape) does not describe it, so no map is written for such a layout)."""
+    hold: Dict[int, Intervals] = {}
+    for (kind, d, sf), n, c in zip(parsed, mesh_shape, coord):
+        if kind != "R":
+            hold[d] = _split(hold.get(d, [(0, global_shape[d])]), kind, sf, n, c)
     off, size = [0] * len(global_shape), list(global_shape)
-    for (kind, d), n, c in zip(parsed, mesh_shape, coord):
-        if kind == "S":
-            sz, o = _chunk(size[d], n, c)
-            off[d] += o
-            size[d] = sz
+    for d, iv in hold.items():
+        iv = _merge(iv)
+        if len(iv) > 1:
+            return None
+        off[d], size[d] = iv[0] if iv else (global_shape[d], 0)
     return tuple(off), tuple(size)
 
 
-def _same_box(a: Box, b: Box) -> bool:
+def _same_box(a: Optional[Box], b: Box) -> bool:
+    if a is None:                            # the rule gives no box (a strided shard in pieces)
+        return False
     if 0 in a[1] or 0 in b[1]:               # empty shards: torch puts their offset at the dim's end
         return 0 in a[1] and 0 in b[1]
     return tuple(a[0]) == tuple(b[0]) and tuple(a[1]) == tuple(b[1])
 
 
+def _family_shape(mesh: Sequence[int], grid: bytes) -> Optional[Tuple[int, ...]]:
+    """The shape of a saved rank grid (:attr:`~ckptstore.state.sharding.ShardInfo.grid`): the mesh's shape, or
+    ``(slices,) + mesh`` when the grid lists every slice of a sub-mesh of a larger mesh (FSDP2's ``dp``
+    sub-mesh of a ``dp x tp`` mesh: one slice per ``tp`` coordinate, each holding the same shards); ``None``
+    when the grid's length fits neither."""
+    size = int(np.prod(mesh)) if len(mesh) else 1
+    n, rem = divmod(len(grid), 4)
+    if rem or size < 1 or n < size or n % size:
+        return None
+    return tuple(mesh) if n == size else (n // size,) + tuple(mesh)
+
+
 def _meshes(m: Manifest) -> Tuple[List[Tuple[Tuple[int, ...], bytes]], Dict[Any, int]]:
-    """The distinct device meshes of ``m``'s DTensor nodes in order of first use, as ``(mesh shape, rank
-    grid)``, and :func:`_mesh_key` -> index. Meshes are told apart by content (shape and ranks), not by object:
-    two DeviceMesh objects of the same ranks are one mesh of the map."""
+    """The distinct device meshes of ``m``'s DTensor nodes in order of first use, as ``(shape, rank grid)``
+    (the shape has a leading slice dim for the slices of a sub-mesh: :func:`_family_shape`), and
+    :func:`_mesh_key` -> index. Meshes are told apart by content (shape and ranks), not by object: two
+    DeviceMesh objects of the same ranks are one mesh of the map."""
     grids: List[Tuple[Tuple[int, ...], bytes]] = []
     index: Dict[Any, int] = {}
     for n in m.nodes:
@@ -175,9 +257,16 @@ def _meshes(m: Manifest) -> Tuple[List[Tuple[Tuple[int, ...], bytes]], Dict[Any,
             info = n.payload.shard
             k = _mesh_key(info)
             if info.grid is not None and k not in index:
-                index[k] = len(grids)
-                grids.append((tuple(info.mesh), info.grid))
+                shape = _family_shape(info.mesh, info.grid)
+                if shape is not None:
+                    index[k] = len(grids)
+                    grids.append((shape, info.grid))
     return grids, index
+
+
+def _lead(parsed: Parsed, mesh_shape: Sequence[int]) -> Parsed:
+    """``parsed`` for a map mesh of ``mesh_shape``: its slice dims (if any) lead, replicated."""
+    return [("R", -1, 1)] * (len(mesh_shape) - len(parsed)) + list(parsed)
 
 
 def _mesh_key(info) -> Any:
@@ -206,14 +295,15 @@ def layout(m: Manifest, rank: int) -> Tuple[bytes, bool]:
         if not ok:
             continue
         parsed = parse_placements(info.placements)
-        if info.grid is None or parsed is None:
+        mi = index.get(_mesh_key(info))
+        if mi is None or parsed is None:
             ok = False
             continue
-        mi = index[_mesh_key(info)]
+        shape = grids[mi][0]
         if mi not in coords:
-            coords[mi] = _coordinate(info.grid, info.mesh, rank)
+            coords[mi] = _coordinate(info.grid, shape, rank)
         c = coords[mi]
-        ok = c is not None and _same_box(rule_box(info.global_shape, info.mesh, c, parsed),
+        ok = c is not None and _same_box(rule_box(info.global_shape, shape, c, _lead(parsed, shape)),
                                          (info.offset, e.shape))
     return h.digest(), ok
 
@@ -321,16 +411,20 @@ def build_rule(step: int, world_size: int, m: Manifest, rank_local: Optional[Lis
             keys.append([key_hash(n.path), index[_mesh_key(info)], list(info.global_shape), list(info.mesh),
                          list(info.placements)])
     meshes = [[list(shape), g] for shape, g in grids]
-    return frame("shards", {"step": step, "world_size": world_size, "rule": 1, "meshes": meshes, "keys": keys,
+    # rule 2: a mesh may list the slices of a sub-mesh (a leading slice dim); rule 1 readers cannot read that
+    rule = 2 if any(len(shape) != len(info) for (shape, _), info in
+                    zip((grids[k[1]] for k in keys), (k[3] for k in keys))) else 1
+    return frame("shards", {"step": step, "world_size": world_size, "rule": rule, "meshes": meshes, "keys": keys,
                             "rank_local": None if rank_local is None else [list(p) for p in rank_local]})
 
 
 class _Rule:
     """The rule half of a map: per key (mesh index, global shape, parsed placements or None), per mesh (shape,
-    rank grid)."""
+    rank grid). A mesh with more dims than a key's placements lists the slices of a sub-mesh: the leading dims
+    are replicas (:func:`_lead`)."""
 
     def __init__(self, meshes: List[Tuple[Tuple[int, ...], np.ndarray]],
-                 keys: Dict[bytes, Tuple[int, Tuple[int, ...], Optional[List[Tuple[str, int]]]]]):
+                 keys: Dict[bytes, Tuple[int, Tuple[int, ...], Optional[Parsed]]]):
         self.meshes, self.keys = meshes, keys
         self._members: Dict[int, set] = {}
 
@@ -346,7 +440,8 @@ class _Rule:
         not walked). ``coords``: mesh index -> ``rank``'s coordinate, filled as meshes are met."""
         mi, g, parsed = self.keys[h]
         shape, grid = self.meshes[mi]
-        if tuple(g) != tuple(shard.global_shape) or tuple(shape) != tuple(shard.mesh):
+        if tuple(g) != tuple(shard.global_shape) or tuple(shape[len(shape) - len(shard.mesh):]) != \
+                tuple(shard.mesh) or len(shard.mesh) > len(shape):
             return (f"global shape {list(g)} on a mesh of {list(shape)}, the manifest says {list(shard.global_shape)} "
                     f"on {list(shard.mesh)}")
         if parsed != parse_placements(shard.placements):
@@ -356,7 +451,7 @@ class _Rule:
         if mi not in coords:
             pos = np.flatnonzero(grid == rank)
             coords[mi] = tuple(int(x) for x in np.unravel_index(int(pos[0]), shape)) if len(pos) == 1 else None
-        if coords[mi] is None or not _same_box(rule_box(g, shape, coords[mi], parsed), box):
+        if coords[mi] is None or not _same_box(rule_box(g, shape, coords[mi], _lead(parsed, shape)), box):
             return f"the rule's box for the rank is not the manifest's (offset {list(box[0])}, shape {list(box[1])})"
         return None
 
@@ -370,28 +465,46 @@ class _Rule:
             return []
         pos = np.flatnonzero(grid == prefer)
         pref = np.unravel_index(int(pos[0]) if len(pos) else prefer % len(grid), shape)
-        leaves = [((), [0] * len(g), list(g))]
-        for i, (kind, d) in enumerate(parsed):
+        # a leaf: a coordinate prefix and, per tensor dim sharded so far, what it holds there (intervals)
+        leaves: List[Tuple[Tuple[int, ...], Dict[int, Intervals]]] = [((), {})]
+        for i, (kind, d, sf) in enumerate(_lead(parsed, shape)):
             n, nxt = shape[i], []
-            for coord, off, size in leaves:
+            for coord, hold in leaves:
                 if kind == "R":
-                    nxt.append((coord + (int(pref[i]),), off, size))
+                    nxt.append((coord + (int(pref[i]),), hold))
                     continue
                 lo, hi = box[0][d], box[0][d] + box[1][d]
-                if size[d] == 0:
-                    continue
-                per = -(-size[d] // n)                          # torch.chunk's chunk size
-                first = max(0, (lo - off[d]) // per - 1)
-                last = min(n - 1, (hi - 1 - off[d]) // per + 1)
-                for c in range(first, last + 1):
-                    sz, o = _chunk(size[d], n, c)
-                    a = off[d] + o
-                    if sz and a < hi and a + sz > lo:
-                        off2, size2 = list(off), list(size)
-                        off2[d], size2[d] = a, sz
-                        nxt.append((coord + (c,), off2, size2))
+                iv = hold.get(d, [(0, g[d])])
+                total = sum(x for _, x in iv)
+                for c in _candidates(iv, total, kind, sf, n, lo, hi):
+                    got = _split(iv, kind, sf, n, c)
+                    if any(a < hi and a + x > lo for a, x in got):
+                        nxt.append((coord + (c,), {**hold, d: got}))
             leaves = nxt
-        return sorted({int(grid[np.ravel_multi_index(c, shape)]) for c, _, _ in leaves})
+        return sorted({int(grid[np.ravel_multi_index(c, shape)]) for c, _ in leaves})
+
+
+def _candidates(iv: Intervals, total: int, kind: str, sf: int, n: int, lo: int, hi: int) -> List[int]:
+    """The coordinates of a mesh dim of ``n`` whose part of ``iv`` (see :func:`_split`) may meet ``[lo, hi)``:
+    the chunks holding the positions (in the concatenation of ``iv``) of the elements in ``[lo, hi)``, found
+    by division (no pass over the ``n`` coordinates)."""
+    spans, pos = [], 0                 # positions in the concatenation of iv whose elements are in [lo, hi)
+    for a, x in iv:
+        s0, s1 = max(a, lo), min(a + x, hi)
+        if s0 < s1:
+            spans.append((pos + s0 - a, pos + s1 - a))
+        pos += x
+    out: set = set()
+    pieces = [(total, 0)] if kind == "S" else [_chunk(total, sf, j) for j in range(sf)]
+    for psz, po in pieces:
+        if psz == 0:
+            continue
+        per = -(-psz // n)                                  # torch.chunk's chunk size
+        for s0, s1 in spans:
+            s0, s1 = max(s0, po), min(s1, po + psz)
+            if s0 < s1:
+                out.update(range((s0 - po) // per, min(n - 1, (s1 - 1 - po) // per) + 1))
+    return sorted(out)
 
 
 class ShardMap:
@@ -415,7 +528,7 @@ class ShardMap:
                         isinstance(p, list) and p and all(isinstance(x, (str, int)) for x in p) for p in rl):
                     raise ValueError("bad rank-local paths")
                 rl = [tuple(p) for p in rl]
-            if body.get("rule") == 1:
+            if body.get("rule") in (1, 2):
                 return ShardMap(world_size, None, rl, _decode_rule(body, world_size))
             boxes: Dict[bytes, List[Tuple[int, Box]]] = {}
             for h, shards in body["boxes"]:
@@ -468,11 +581,13 @@ class ShardMap:
                                              f"{path_str(n.path)!r}: {why}", step=step, key=path_str(n.path))
 
     def ranks(self, path: KeyPath, global_shape: Tuple[int, ...], box: Box, prefer: int) -> Optional[List[int]]:
-        """The saved ranks whose shards of ``path`` overlap ``box`` (one rank per replicated box, ``prefer``
-        first); ``None`` when the map does not know the key (or cannot walk its placements)."""
+        """The saved ranks whose shards of ``path`` overlap ``box`` (one rank per replicated box: the one on
+        ``prefer``'s coordinates of the replicated mesh dims, or those of saved rank ``prefer % world_size`` for a
+        reader beyond the saved world, so the replicas of every key come from the same few manifests); ``None``
+        when the map does not know the key (or cannot walk its placements)."""
         h = key_hash(path)
-        if self._rule is not None:
-            return self._rule.ranks(h, tuple(global_shape), box, prefer)
+        if self._rule is not None:          # a reader beyond the saved world reads as saved rank prefer % world
+            return self._rule.ranks(h, tuple(global_shape), box, prefer % self.world_size)
         index = self._indexes.get(h)
         if index is None:
             saved = self._boxes.get(h)
@@ -484,6 +599,7 @@ class ShardMap:
 
 
 def _decode_rule(body: Dict[str, Any], world_size: int) -> _Rule:
+    rule = body["rule"]
     meshes = []
     for item in body["meshes"]:
         shape, grid = item
@@ -497,13 +613,16 @@ def _decode_rule(body: Dict[str, Any], world_size: int) -> _Rule:
         if ranks.min() < 0 or ranks.max() >= world_size or len(np.unique(ranks)) != size:
             raise ValueError(f"rank grid of mesh {shape} names ranks outside 0..{world_size - 1} or twice")
         meshes.append((tuple(shape), ranks))
-    keys: Dict[bytes, Tuple[int, Tuple[int, ...], Optional[List[Tuple[str, int]]]]] = {}
+    keys: Dict[bytes, Tuple[int, Tuple[int, ...], Optional[Parsed]]] = {}
     for item in body["keys"]:
         h, mi, g, mesh, placements = item
         if not isinstance(h, bytes) or len(h) != 8 or h in keys:
             raise ValueError("bad key hash")
-        if not isinstance(mi, int) or not 0 <= mi < len(meshes) or list(mesh) != list(meshes[mi][0]):
+        if not isinstance(mi, int) or not 0 <= mi < len(meshes) or not isinstance(mesh, list):
             raise ValueError(f"bad mesh index {mi!r:.20}")
+        lead = len(meshes[mi][0]) - len(mesh)          # rule 2: a slice dim may lead (a sub-mesh's slices)
+        if lead not in ((0, 1) if rule == 2 else (0,)) or list(mesh) != list(meshes[mi][0][lead:]):
+            raise ValueError(f"key's mesh {mesh!r:.40} is not mesh {mi}'s {list(meshes[mi][0])}")
         if (not isinstance(g, list) or not 1 <= len(g) <= 64
                 or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 48 for x in g)):
             raise ValueError(f"bad global shape {g!r:.80}")
@@ -511,7 +630,9 @@ def _decode_rule(body: Dict[str, Any], world_size: int) -> _Rule:
                 or not all(isinstance(p, str) and len(p) < 64 for p in placements)):
             raise ValueError(f"bad placements {placements!r:.80}")
         parsed = parse_placements(placements)
-        if parsed is not None and any(k == "S" and d >= len(g) for k, d in parsed):
+        if parsed is not None and any(k != "R" and d >= len(g) for k, d, _ in parsed):
             raise ValueError(f"placements {placements} shard a dim the global shape {g} lacks")
+        if parsed is not None and any(sf > world_size for _, _, sf in parsed):
+            raise ValueError(f"placements {placements} split a dim into more pieces than there are ranks")
         keys[h] = (mi, tuple(g), parsed)
     return _Rule(meshes, keys)

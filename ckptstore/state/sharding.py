@@ -40,7 +40,8 @@ class ShardInfo:
     ``placements``: one string per mesh dim, as torch prints them (``"S(0)"``, ``"R"``, ``"_S(0, 2)"``);
     informational (the box alone drives resharding). ``grid``: at save time only (never in a manifest), the
     mesh's ranks in mesh order as little-endian int32 bytes, one object shared by every DTensor of the same
-    mesh (the step's shard map records it once: :mod:`ckptstore.format.shardmap`).
+    mesh (the step's shard map records it once: :mod:`ckptstore.format.shardmap`); for a sub-mesh (FSDP2's
+    ``dp`` of a ``dp x tp`` mesh) the ranks of every slice of it, slice by slice (:func:`mesh_grid`).
     """
     global_shape: Tuple[int, ...]
     offset: Tuple[int, ...]
@@ -103,14 +104,27 @@ _GRIDS: Dict[int, Tuple[Any, bytes]] = {}       # id(mesh) -> (mesh, its grid): 
 
 def mesh_grid(mesh) -> Optional[bytes]:
     """A device mesh's ranks in mesh order, int32 little-endian (cached per mesh object); ``None`` if
-    unavailable."""
+    unavailable. For a sub-mesh of a larger mesh (``mesh["dp"]`` of a ``dp x tp`` mesh: rank 0 sees ranks
+    ``[0, 2]``, rank 1 ``[1, 3]``) the ranks of *every* slice of it, shape ``(slices, *mesh.shape)``, as
+    torch's ``DeviceMesh`` lays them out (``_layout.remap_to_tensor(_rank_map)``, the tensor its ``mesh``
+    property slices its own ranks from): the same bytes on every rank, so the step's shard map can describe
+    the sub-mesh's DTensors (the norms of FSDP2 + TP) by rule. Just the mesh's own ranks where that is not
+    available (an older torch) or does not hold them."""
     hit = _GRIDS.get(id(mesh))
     if hit is not None and hit[0] is mesh:
         return hit[1]
     try:
-        grid = mesh.mesh.to(torch.int32).contiguous().cpu().numpy().astype("<i4").tobytes()
+        own = mesh.mesh.to(torch.int32).contiguous().cpu()
     except Exception:                  # pragma: no cover - a mesh type without a rank grid
         return None
+    grid = own
+    try:
+        every = mesh._layout.remap_to_tensor(mesh._rank_map).to(torch.int32).cpu().reshape(-1, *own.shape)
+        if any(torch.equal(s, own) for s in every):
+            grid = every.contiguous()
+    except Exception:                  # a torch without CuTe mesh layouts: own ranks only
+        pass
+    grid = grid.numpy().astype("<i4").tobytes()
     if len(_GRIDS) >= 64:
         _GRIDS.clear()
     _GRIDS[id(mesh)] = (mesh, grid)
