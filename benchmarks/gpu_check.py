@@ -34,7 +34,13 @@ tiny sizes and the CUDA rows print ``skipped: no CUDA device`` with the reason):
     ``Store(root, memory=Memory(<tmpfs dir>, every=1, replicas=0))``, vs the same loop without checkpointing
     (run before and after, alternated). Throughput ratio (steps/s with over without), stall in ``save`` p50/p99.
 
-Exit status: 1 when a correctness row (c, d) fails, 2 when a row could not be measured (``n/a: <error>``;
+(f) **Blocking save of a CUDA state** (``--blocking-gb``, default 4 GiB): ``Store.save(state, step)`` (what the
+    HF and Lightning adapters call), first and later saves, vs ``torch.distributed.checkpoint.save`` and
+    ``torch.save`` of the same tensors into the same kind of root, alternated; and a state of odd tensors
+    (bfloat16, a transposed view, sizes not a multiple of the copy piece, a conjugate complex tensor) saved
+    blocking and read back bit for bit (PASS / FAIL).
+
+Exit status: 1 when a correctness row (c, d, f) fails, 2 when a row could not be measured (``n/a: <error>``;
 ``BENCH_DEBUG=1`` prints the traceback), else 0. See benchmarks/README.md, "gpu_check.py".
 """
 from __future__ import annotations
@@ -56,8 +62,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
-ROWS = "abcde"
-CORRECTNESS = "cd"
+ROWS = "abcdef"
+CORRECTNESS = "cdf"
 OPTIMIZERS = {"AdamW": (torch.optim.AdamW, {}), "Adam": (torch.optim.Adam, {}),
               "SGD": (torch.optim.SGD, {"momentum": 0.9})}
 perf = time.perf_counter
@@ -82,13 +88,14 @@ class Sizes:
     loop_warmup: int
     step_ms: float
     repeat: int
+    blocking_bytes: int = 4 * GiB   # (f)
 
 
 def sizes(smoke: bool, args) -> Sizes:
     if smoke:
         s = Sizes(copy_bytes=16 * MiB, state_bytes=32 * MiB, opt_width=64, opt_layers=2, opt_batch=32,
                   steps_after=3, loop_width=64, loop_layers=2, loop_batch=32, loop_steps=6, loop_warmup=2,
-                  step_ms=20.0, repeat=2)
+                  step_ms=20.0, repeat=2, blocking_bytes=32 * MiB)
     else:
         s = Sizes(copy_bytes=2 * GiB, state_bytes=16 * GiB, opt_width=4096, opt_layers=4, opt_batch=2048,
                   steps_after=3, loop_width=2048, loop_layers=3, loop_batch=4096, loop_steps=40, loop_warmup=5,
@@ -101,6 +108,8 @@ def sizes(smoke: bool, args) -> Sizes:
         s.step_ms = args.step_ms
     if args.repeat is not None:
         s.repeat = args.repeat
+    if args.blocking_gb is not None:
+        s.blocking_bytes = int(args.blocking_gb * GiB)
     return s
 
 
@@ -616,6 +625,86 @@ def row_e(dev: Dev, sz: Sizes, base: Path, seed: int, sections: dict) -> list[Li
                  f"{ratio:.3f}" if ratio else "n/a", "" if ratio else "n/a", note, value=ratio)]
 
 
+# --------------------------------------------------------------------------- (f) blocking save of a CUDA state
+
+
+def odd_state(dev: Dev, seed: int) -> dict:
+    g = torch.Generator(device=dev.device).manual_seed(seed)
+    big = 64 * MiB // 4 + 12345                              # crosses the 64 MiB copy piece, odd length
+    z = torch.randn(4097, dtype=torch.complex64, generator=g, device=dev.device)
+    return {"bf16": torch.randn(3_000_001, generator=g, device=dev.device).to(torch.bfloat16),
+            "strided": torch.randn(2048, 1500, generator=g, device=dev.device).t(),
+            "big": torch.randn(2 * big + 7, generator=g, device=dev.device),
+            "small": torch.randn(33, generator=g, device=dev.device),
+            "conj": z.conj(), "neg": torch.randn(1 << 21, generator=g, device=dev.device).neg().clone()}
+
+
+def row_f(dev: Dev, sz: Sizes, base: Path, seed: int) -> list[Line]:
+    from ckptstore import Store
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+    want, use_shm, why = fit_state(sz.blocking_bytes, device_free=dev.free(), host_free=host_available(),
+                                   host_copies=3, shm_free=free_bytes(shm), disk_free=free_bytes(base),
+                                   margin=2 * GiB if dev.cuda else 0)
+    where = shm if use_shm else base
+    out = []
+    # correctness first: odd tensors through the blocking path, read back on the CPU
+    root = Path(tempfile.mkdtemp(prefix="ckptstore-gpucheck-f-", dir=where))
+    try:
+        odd = odd_state(dev, seed)
+        with Store(str(root)) as store:
+            store.save({"m": odd}, 1)
+        with Store(str(root)) as store:
+            got = store.load(1, map_location="cpu")
+        expected = {"m": {k: v.resolve_conj().resolve_neg().cpu() for k, v in odd.items()}}
+        bad = bitwise_mismatches(expected, got)
+        out.append(Line("f", "blocking save of odd tensors read back bit for bit", dev.label,
+                        result="FAIL" if bad else "PASS",
+                        note=(f"{len(odd)} tensors (bf16, transposed, 2 x 64 MiB + odd, conj, neg); "
+                              + (f"differ: {bad}" if bad else "all equal"))))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    tensors = make_tensors(want, dev, seed)
+    total = sum(C.nbytes(t) for t in tensors)
+    state = {"model": {f"w{i:03d}": t for i, t in enumerate(tensors)}}
+    import torch.distributed.checkpoint as dcp
+    times: dict[str, list[float]] = {"ckptstore": [], "dcp.save": [], "torch.save": []}
+    firsts: dict[str, float] = {}
+    root = Path(tempfile.mkdtemp(prefix="ckptstore-gpucheck-f-", dir=where))
+    try:
+        with Store(str(root / "store")) as store:
+            for r in range(sz.repeat + 1):
+                for name in times:
+                    dev.sync()
+                    t0 = perf()
+                    if name == "ckptstore":
+                        store.save(state, r + 1)
+                    elif name == "dcp.save":
+                        dcp.save(state, checkpoint_id=str(root / f"dcp{r}"))
+                    else:
+                        torch.save(state, root / "ts.pt")
+                    dt = perf() - t0
+                    print(f"  run {r}/{sz.repeat} {name:34s} {dt:.2f} s", file=sys.stderr, flush=True)
+                    if r:
+                        times[name].append(dt)
+                    else:
+                        firsts[name] = dt
+                    if name == "dcp.save":
+                        shutil.rmtree(root / f"dcp{r}", ignore_errors=True)
+                    elif name == "torch.save":
+                        (root / "ts.pt").unlink()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    med = {k: H.med(v) for k, v in times.items()}
+    size = f"{C.fmt_bytes(total)} in {len(tensors)} tensors" + (f" ({why})" if why else "")
+    note = (f"{size}; root on {'tmpfs' if use_shm else C.fs_type(base)}; first saves: "
+            + ", ".join(f"{k} {v:.2f} s" for k, v in firsts.items())
+            + f"; later medians: torch.save {med['torch.save']:.2f} s")
+    m, a = med["ckptstore"], med["dcp.save"]
+    out.append(Line("f", "blocking save of a CUDA state: Store.save vs dcp.save (later saves)", dev.label,
+                    f"{m:.2f} s", f"{a:.2f} s", f"{m / a:.2f}", "", note, value=m))
+    return out
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -623,7 +712,8 @@ CHECKS = {"a": "D2H bandwidth: StagingPool.stage vs pinned copy_",
           "b": "non-blocking save stall vs one pinned copy_",
           "c": "stale-save rule: fused AdamW / Adam / SGD",
           "d": "RNG restored bit for bit: CUDA generators",
-          "e": "save every step to the memory tier: throughput vs no checkpointing"}
+          "e": "save every step to the memory tier: throughput vs no checkpointing",
+          "f": "blocking save of a CUDA state vs dcp.save, and read back bit for bit"}
 
 
 def run_rows(dev: Dev, sz: Sizes, only: str, base: Path, seed: int, sections: dict) -> list[Line]:
@@ -650,6 +740,8 @@ def run_rows(dev: Dev, sz: Sizes, only: str, base: Path, seed: int, sections: di
         attempt("d", lambda: [rng_check(dev, base, seed)])
     if "e" in only:
         attempt("e", lambda: row_e(dev, sz, base, seed, sections))
+    if "f" in only:
+        attempt("f", lambda: row_f(dev, sz, base, seed))
     return lines
 
 
@@ -672,6 +764,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state-gb", type=float, default=None,
                     help="(b) state size in GiB (default 16; 32 MiB smoke), scaled down to what fits")
     ap.add_argument("--copy-gb", type=float, default=None, help="(a) bytes copied in GiB (default 2; 16 MiB smoke)")
+    ap.add_argument("--blocking-gb", type=float, default=None, help="(f) state size in GiB (default 4; 32 MiB smoke)")
     ap.add_argument("--step-ms", type=float, default=None, help="(e) step time to calibrate to (default 50 ms)")
     args = ap.parse_args(argv)
     only = "".join(c for c in args.only.lower() if c in ROWS)
