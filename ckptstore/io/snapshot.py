@@ -17,8 +17,9 @@ Three ways in, one way out (:class:`ArraySpec` with ``view`` or ``known`` set):
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -136,13 +137,41 @@ def direct_view(node: Node) -> memoryview:
 
 # -- non-blocking saves ---------------------------------------------------------------------------------------
 def _aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
-    """A uint8 tensor of ``nbytes`` (rounded up to a page) whose first byte is page-aligned."""
+    """A uint8 tensor of ``nbytes`` (rounded up to a page) whose first byte is page-aligned; ``pin``: page-locked
+    for asynchronous device-to-host copies (:func:`_registered_empty`, else torch's ``pin_memory=True``)."""
     size = -(-max(nbytes, 1) // PAGE) * PAGE
     if pin:
+        registered = _registered_empty(size)
+        if registered is not None:
+            return registered
         return torch.empty(size, dtype=torch.uint8, pin_memory=True)       # cudaHostAlloc: page-aligned
     raw = torch.empty(size + PAGE, dtype=torch.uint8)
     off = (-raw.data_ptr()) % PAGE
     return raw[off: off + size]
+
+
+def _registered_empty(size: int) -> Optional[torch.Tensor]:
+    """``size`` bytes (a multiple of the page) of ordinary host memory page-locked with ``cudaHostRegister``, or
+    ``None`` when CUDA refuses. The first non-blocking save of a CUDA state allocates its whole staging pool:
+    ``cudaHostAlloc`` (torch's ``pin_memory=True``) took 0.45-0.55 s per GiB on an H100 VM, touching and
+    registering ordinary memory 0.17 s (benchmarks/README.md, "gpu_check.py"), and torch's pinned allocator
+    rounds each block up to a power of two (up to twice the host memory). The memory is a NumPy array's; it is
+    unregistered when that array is freed (a weakref callback runs before NumPy frees the bytes), which happens
+    once no tensor or view of it is left."""
+    try:
+        cudart = torch.cuda.cudart()
+        arr = np.empty(size + PAGE, dtype=np.uint8)
+        off = (-arr.ctypes.data) % PAGE
+        view = arr[off: off + size]
+        out = torch.from_numpy(view)
+        out.fill_(0)                                   # fault the pages in (torch's threads) before pinning
+        ptr = view.ctypes.data
+        if int(cudart.cudaHostRegister(ptr, size, 0)) != 0:
+            return None
+    except Exception:                                  # an older torch without cudart bindings: the allocator's
+        return None
+    weakref.finalize(arr, cudart.cudaHostUnregister, ptr).atexit = False    # at exit the process unpins all
+    return out
 
 
 class StagingPool:
@@ -153,6 +182,7 @@ class StagingPool:
 
     def __init__(self):
         self._buffers: Dict[KeyPath, torch.Tensor] = {}
+        self._pinned: Set[KeyPath] = set()        # paths whose buffer is page-locked
         self._stream = None
 
     @property
@@ -161,9 +191,13 @@ class StagingPool:
 
     def _buffer(self, path: KeyPath, nbytes: int, pin: bool) -> torch.Tensor:
         buf = self._buffers.get(path)
-        if buf is None or buf.numel() < nbytes or buf.numel() > 2 * nbytes + PAGE or (pin and not buf.is_pinned()):
+        if (buf is None or buf.numel() < nbytes or buf.numel() > 2 * nbytes + PAGE
+                or (pin and path not in self._pinned)):
             self._buffers.pop(path, None)          # free before allocating: never hold two copies
+            self._pinned.discard(path)
             buf = self._buffers[path] = _aligned_empty(nbytes, pin)
+            if pin:
+                self._pinned.add(path)
         return buf
 
     def stage(self, pairs: List[Tuple[ArraySpec, Node]], live_paths) -> None:
@@ -174,6 +208,7 @@ class StagingPool:
         live = set(live_paths)
         for path in [p for p in self._buffers if p not in live]:
             del self._buffers[path]
+            self._pinned.discard(path)
         cuda_pairs = []
         for spec, node in pairs:
             if spec.nbytes == 0:
@@ -220,3 +255,4 @@ class StagingPool:
 
     def clear(self) -> None:
         self._buffers.clear()
+        self._pinned.clear()
