@@ -11,10 +11,11 @@ the first message to or from a rank opens that pair's one connection. So a rank 
 connections for the memory tier and ``O(log N)`` for read-once, whatever ``N``.
 
 The group is none of the caller's: it is not registered with ``torch.distributed`` (no entry in its group list,
-no shift of the names of the caller's later ``new_group`` calls), no environment variable is set, and it talks
-through a client of the default group's c10d store of its own (``Store.clone()``), under the prefix
-``ckptstore/gloo/<n>/``: ``n`` counts the groups this process made, the same on every rank (they are made
-collectively, in the same order). Ranks are the default group's.
+no shift of the names of the caller's later ``new_group`` calls), and no environment variable is set. It
+publishes and looks up addresses in the default group's c10d store (as ``new_group``'s groups do), under the
+prefix ``ckptstore/gloo/<n>/``: ``n`` counts the groups this process made, the same on every rank (they are
+made collectively, in the same order). Ranks are the default group's. Creating it waits for no other rank
+(a full mesh waits until every rank connected to it).
 """
 from __future__ import annotations
 
@@ -45,11 +46,9 @@ class PeerGroup:
             raise ValueError("a peer group needs an initialised torch.distributed process group")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.timeout = datetime.timedelta(seconds=float(timeout))
+        # the default group's store client itself, as new_group's groups use it: a clone() is one more connection
+        # to the store server per rank, and 16 ranks cloning at once wait 5 s each for some (measured, torch 2.13)
         kv = distributed_c10d._get_default_store()
-        try:          # a client of its own: a lazy connect's blocking get never holds up the caller's store use
-            kv = kv.clone()
-        except Exception as e:              # pragma: no cover - a store type without clone(): share it
-            log.debug("c10d store %s has no clone(): shared (%s)", type(kv).__name__, e)
         with _groups_lock:
             n = next(_groups)
         opts = ProcessGroupGloo._Options()
