@@ -7,7 +7,7 @@
 Real processes: ``--ranks`` ranks launched like torchrun (gloo on 127.0.0.1, tests/dist.py), ``--node-size``
 ranks per "node". Each rank counts the established TCP connections it holds (``/proc/self/net/tcp``), leaving
 out the c10d store's and those open before (the job's own default gloo group, a full mesh made by
-``init_process_group``), at three points:
+``init_process_group``), at these points:
 
 * ``Store()`` with ``Memory(replicas=...)``: connections after, and its seconds (the slowest rank's);
 * after one replicated memory save of a small state (a 64 KiB tensor the same on every rank + 4 KiB of its own);
