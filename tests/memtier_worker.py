@@ -16,6 +16,9 @@ one node. Options:
   --die-at K       rank ``--die-rank`` attaches a logging.Handler to "ckptstore.memtier.replication" that SIGKILLs its
                    own process on the record "step K: sending ...": a real kill in the middle of replication.
                    The other ranks wait for step K's save, report what it raised, and exit at once.
+  --connections    report in RESULT the TCP connections this rank opened to its peers (not the c10d store's,
+                   not the training's default group's, made before): ``store`` after ``Store()``, ``saved`` after
+                   the last save, ``peers`` the ranks its ring exchanges with (issue 29).
   --mark URL       rank 0 marks ``resumed`` on the counting proxy (tests/countproxy.py) once every rank resumed.
 Each rank prints ``RESULT {...}`` (resume step, ``resumed_from``, the error of step K's save when --die-at).
 """
@@ -38,7 +41,7 @@ from countproxy import mark  # noqa: E402
 
 from ckptstore import Memory, Remote, Retention, RNGState, Store  # noqa: E402
 from ckptstore.util.errors import CheckpointError  # noqa: E402
-from rank import add_options, finish, join, leave_now, result  # noqa: E402
+from rank import add_options, finish, join, leave_now, result, tcp_connections  # noqa: E402
 
 
 class KillOnReplication(logging.Handler):
@@ -64,7 +67,7 @@ def main():
     ap.add_argument("--log", required=True)
     add_options(ap, remote_every=6, disk_every=3, mem_keep=3, capacity_mib=64, node_size=2, timeout=20.0,
                 collective_timeout=60.0, steps=10, hold_after=0, die_at=0, die_rank=3, mark="", no_memory=False,
-                replicas=1)
+                replicas=1, connections=False)
     ap.add_argument("--resume-by", choices=["resume", "resolve"], default="resume",
                     help="Store.resume, or Store.resolve then Store.restore of that step (the trainers' way)")
     args = ap.parse_args()
@@ -95,8 +98,11 @@ def main():
                                                 capacity=args.capacity_mib << 20, keep=args.mem_keep,
                                                 replicas=args.replicas, node_size=args.node_size,
                                                 timeout=args.timeout)
+    store_port = int(os.environ["MASTER_PORT"])
+    before = tcp_connections(exclude_port=store_port)
     store = Store(disk, rank=rank, world_size=world, remote=remote, storage_options=json.loads(args.so),
                   keep=Retention(last=2), collective_timeout=args.collective_timeout, memory=memory)
+    at_store = tcp_connections(exclude_port=store_port) - before
     if args.resume_by == "resolve":                 # as the HF and torchtitan adapters do: choose, then restore
         found = store.resolve()
         start = store.restore(state, found[0]) if found is not None else 0
@@ -144,6 +150,12 @@ def main():
             while True:
                 time.sleep(60)
     store.wait()
+    if args.connections:
+        nodes, local = world // args.node_size, rank % args.node_size    # the ring (README: "Memory tier")
+        reps = 0 if args.no_memory else min(args.replicas, nodes - 1)
+        peers = sorted({((node + d) % nodes) * args.node_size + local for j in range(1, reps + 1) for d in (j, -j)})
+        saved = tcp_connections(exclude_port=store_port) - before
+        out["connections"] = {"store": len(at_store), "saved": len(saved), "peers": peers}
     store.close()
     result(out)
     finish()

@@ -7,7 +7,8 @@ Modes (``--mode``):
          (on), ``auto`` (ckptstore's choice), each into fresh objects through a new Store.
 Both print ``RESULT {...}`` with the state's digest (model and optimizer tensors, bit for bit), the step, and
 for ``load`` the chunk bytes this rank read (counted at the storage layer: every read of a blob or a pack
-range through LocalStorage / FsspecStorage), the warnings resume logged, and ``resumed_from``.
+range through LocalStorage / FsspecStorage), the warnings resume logged, ``resumed_from``, and ``connections``:
+the TCP connections the resume opened to other ranks (not the c10d store's; issue 29).
 """
 import argparse
 import hashlib
@@ -24,7 +25,7 @@ import torch.nn as nn
 from ckptstore import Packing, Remote, Store, Writing
 from ckptstore.storage.fsspec_storage import FsspecStorage
 from ckptstore.storage.local import LocalStorage
-from rank import finish, join, result
+from rank import finish, join, result, tcp_connections
 
 COUNT = {"bytes": 0, "paths": {}}
 _lock = threading.Lock()
@@ -161,6 +162,7 @@ def main():
             os.environ.pop("CKPTSTORE_READ_ONCE", None)
             if label != "auto":
                 os.environ["CKPTSTORE_READ_ONCE"] = {"before": "0", "after": "1"}[label]
+            before = tcp_connections(exclude_port=int(os.environ["MASTER_PORT"]))
             model, optim, store, state = fresh()
             COUNT["bytes"], COUNT["paths"] = 0, {}
             warnings.clear()
@@ -168,8 +170,10 @@ def main():
             t0 = time.perf_counter()
             step = store.resume(state)
             seconds = time.perf_counter() - t0
+            opened = tcp_connections(exclude_port=int(os.environ["MASTER_PORT"])) - before
             out[label] = dict(step=step, digest=digest(model, optim), read=COUNT["bytes"], paths=COUNT["paths"],
-                              seconds=seconds, warnings=list(warnings), resumed_from=store.resumed_from)
+                              seconds=seconds, warnings=list(warnings), resumed_from=store.resumed_from,
+                              connections=len(opened))
             store.close()
     result(out)
     finish()

@@ -25,10 +25,12 @@ The plan, agreed without any exchange that grows with N x chunks (every step is 
    each receiver hashes every chunk it received against its id before it is used (receivers re-hash: BLAKE3
    costs far less than a read from an object store, and it keeps "every byte used was verified on this rank").
 
-Transport: a gloo process group of this module's own (``torch.distributed.new_group(backend="gloo")``, made
-lazily by every rank at the first resume attempt, the same point of the program on every rank), so it works
-beside NCCL and never interleaves with the training's collectives. Extra memory: one staging buffer of
-``PIECE`` bytes per rank.
+Transport: a gloo process group of this module's own (:class:`~ckptstore.distributed.peers.PeerGroup`, made
+by every rank at the first resume attempt, the same point of the program on every rank), so it works beside
+NCCL and never interleaves with the training's collectives. Its connections open lazily, on first use: gloo's
+broadcast is a binomial tree (rank ``r`` exchanges with ranks ``r +/- 2^i``, whoever the root) and its
+all-reduce a ring (``r +/- 1``), so a rank connects to at most ``2 log2 N`` others, not to all ``N - 1``.
+Extra memory: one staging buffer of ``PIECE`` bytes per rank.
 
 Every rank takes part exactly once per resume attempt (:meth:`ReadOnce.session`): a rank that fails before it
 reads anything (a missing manifest, keys that do not match) still joins the first all-reduce with its error,
@@ -44,7 +46,6 @@ on for any storage, ``=0`` off for all (every rank reads what it needs itself, a
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import logging
 import os
@@ -55,6 +56,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from ..format.blobs import digest_bytes
+from .peers import PeerGroup
 from ..util.errors import CheckpointError, CorruptCheckpointError
 from ..format.manifest import ARRAY_KINDS
 from ..io.reader import wait_all
@@ -123,11 +125,10 @@ class ReadOnce:
         self.stats: Optional[Dict[str, Any]] = None
         self.group_seconds = 0.0
 
-    def group(self):
+    def group(self) -> PeerGroup:
         if self._group is None:
-            import torch.distributed as dist
             t0 = time.perf_counter()
-            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
+            self._group = PeerGroup(self.timeout)
             self.group_seconds = time.perf_counter() - t0
         return self._group
 
@@ -169,15 +170,11 @@ class Session:
 
     # -- the collective steps --------------------------------------------------------------------------------
     def _all_min(self, values: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-        dist.all_reduce(values, op=dist.ReduceOp.MIN, group=self.o.group())
-        return values
+        return self.o.group().all_reduce_min(values)
 
     def _bcast(self, t: torch.Tensor, src: int) -> None:
-        import torch.distributed as dist
         if t.numel():
-            g = self.o.group()
-            dist.broadcast(t, src=dist.get_global_rank(g, src), group=g)
+            self.o.group().broadcast(t, src)
 
     def _agree(self, error: Optional[BaseException], want: bool = True) -> Optional[BaseException]:
         """All-reduce the lowest failing rank (and whether every rank wants read-once: ``self.wanted``); when

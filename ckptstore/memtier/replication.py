@@ -13,7 +13,11 @@ memory step visible is written after that (see :mod:`ckptstore.memtier.tiering`)
 is never committed in memory.
 
 Transport: framed byte messages (a length, then the bytes) over a gloo process group of ckptstore's own
-(never the training's), point to point, with a deadline on every wait. A peer that dies mid-exchange fails the
+(never the training's), point to point, with a deadline on every wait. The group connects lazily
+(:class:`~ckptstore.distributed.peers.PeerGroup`): making it at ``Store()`` opens no connection, and a rank
+connects only to the ranks it exchanges with: its ``replicas`` ring targets and sources at a save (at most
+``2 x replicas`` connections per rank, whatever the world size), the holders or receivers of its items at a
+rebuild. A peer that dies mid-exchange fails the
 wait (connection closed, or the deadline); nothing retries in place: the step stays uncommitted and the error
 is raised once by the save.
 
@@ -38,6 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import msgpack
 import torch
 
+from ..distributed.peers import PeerGroup
 from ..format.blobs import BlobStore, digest_bytes
 from ..util.errors import CheckpointError, CorruptCheckpointError
 from ..format.layout import blob_path, check_blob_id, commit_path, manifest_path, pack_path, shards_path
@@ -93,15 +98,14 @@ class Ring:
 
 
 class Link:
-    """Framed byte messages over a gloo group of ckptstore's own. Made collectively (every rank of the default
-    process group, in the same order as other groups), at ``Store`` construction. Every wait is bounded by
-    ``timeout`` seconds; a failure raises :class:`ReplicationError` naming the peer."""
+    """Framed byte messages over a lazily connected gloo group of ckptstore's own
+    (:class:`~ckptstore.distributed.peers.PeerGroup`). Made collectively (every rank, in the same order as
+    ckptstore's other groups), at ``Store`` construction; it connects to no rank until it exchanges with it.
+    Every wait is bounded by ``timeout`` seconds; a failure raises :class:`ReplicationError` naming the peer."""
 
     def __init__(self, timeout: float):
-        import torch.distributed as dist
-        self.dist = dist
         self.timeout = datetime.timedelta(seconds=float(timeout))
-        self.group = dist.new_group(backend="gloo", timeout=self.timeout)
+        self.group = PeerGroup(float(timeout))
 
     def _wait(self, works, what: str) -> None:
         try:
@@ -113,10 +117,10 @@ class Link:
 
     def exchange(self, dst: int, data: bytes, src: int, what: str) -> bytes:
         """Send ``data`` to ``dst`` while receiving one message from ``src``; returns the bytes received."""
-        d = self.dist
+        g = self.group
         n_out = torch.tensor([len(data)], dtype=torch.int64)
         n_in = torch.zeros(1, dtype=torch.int64)
-        self._wait([d.isend(n_out, dst, group=self.group), d.irecv(n_in, src, group=self.group)],
+        self._wait([g.isend(n_out, dst), g.irecv(n_in, src)],
                    f"{what} (sizes, with ranks {dst} / {src})")
         size = int(n_in.item())
         if not 0 <= size <= MAX_MESSAGE:
@@ -124,36 +128,33 @@ class Link:
         out = torch.empty(size, dtype=torch.uint8)
         works = []
         if data:
-            works.append(d.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, group=self.group))
+            works.append(g.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst))
         if size:
-            works.append(d.irecv(out, src, group=self.group))
+            works.append(g.irecv(out, src))
         self._wait(works, f"{what} (with ranks {dst} / {src})")
         return out.numpy().tobytes()
 
     def send(self, dst: int, data: bytes, what: str) -> None:
-        d = self.dist
-        works = [d.isend(torch.tensor([len(data)], dtype=torch.int64), dst, group=self.group)]
+        g = self.group
+        works = [g.isend(torch.tensor([len(data)], dtype=torch.int64), dst)]
         if data:
-            works.append(d.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, group=self.group))
+            works.append(g.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst))
         self._wait(works, f"{what} (to rank {dst})")
 
     def recv(self, src: int, what: str) -> bytes:
-        d = self.dist
+        g = self.group
         n = torch.zeros(1, dtype=torch.int64)
-        self._wait([d.irecv(n, src, group=self.group)], f"{what} (from rank {src})")
+        self._wait([g.irecv(n, src)], f"{what} (from rank {src})")
         size = int(n.item())
         if not 0 <= size <= MAX_MESSAGE:
             raise ReplicationError(f"{what}: rank {src} announced {size} bytes")
         out = torch.empty(size, dtype=torch.uint8)
         if size:
-            self._wait([d.irecv(out, src, group=self.group)], f"{what} (from rank {src})")
+            self._wait([g.irecv(out, src)], f"{what} (from rank {src})")
         return out.numpy().tobytes()
 
     def close(self) -> None:
-        try:
-            self.dist.destroy_process_group(self.group)
-        except Exception:           # pragma: no cover - the default group may be gone already
-            pass
+        self.group.close()
 
 
 # -- parts: what a manifest references -------------------------------------------------------------------------

@@ -193,3 +193,19 @@ def test_a_rank_that_fails_before_reading_still_joins_and_every_rank_falls_back(
     assert [g["step"] for g in got] == [1, 1]
     assert {g["digest"] for g in got} == {digests["1"]}
     assert "rank 1 could not read its share" in " ".join(got[0]["warnings"]), got[0]["warnings"]
+
+
+@pytest.mark.slow
+def test_a_read_once_resume_connects_each_rank_to_log_n_others(tmp_path):
+    """Issue 29: 8 DDP ranks resume with read-once (every chunk a blob: several ranks read a run and broadcast
+    it). gloo's binomial-tree broadcast and ring all-reduce reach ranks ``r +/- 2^i`` only: at most
+    2 x ceil(log2 8) = 6 other ranks, where a full mesh connects each rank to all 7."""
+    root = tmp_path / "store"
+    run(8, "--mode", "save", "--store", str(root), "--threshold", "0", "--steps", "1")
+    res = run(8, "--mode", "load", "--store", str(root), "--threshold", "0", "--steps", "1")
+    got = [res[r]["after"] for r in sorted(res)]
+    assert [g["step"] for g in got] == [1] * 8 and len({g["digest"] for g in got}) == 1, got
+    roots = [r for r, g in enumerate(got) if g["resumed_from"]["read_once"]["read_bytes"] > 0]
+    assert len(roots) > 1, roots                                    # broadcasts from several roots
+    conns = [g["connections"] for g in got]
+    assert all(2 <= c <= 6 for c in conns), (conns, roots)          # the ring's 2 at least; never all 7
