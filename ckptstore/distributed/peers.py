@@ -56,8 +56,13 @@ class PeerGroup:
         # the devices torch's own constructor picks (the interfaces GLOO_SOCKET_IFNAME lists, else the default),
         # lazy: torch reads TORCH_GLOO_LAZY_INIT only for the process-wide default, so it is asked here per device
         ifnames = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
-        opts._devices = [ProcessGroupGloo.create_device(interface=i, lazy_init=True) for i in ifnames] \
-            or [ProcessGroupGloo.create_default_device(lazy_init=True)]
+        try:
+            opts._devices = [ProcessGroupGloo.create_device(interface=i, lazy_init=True) for i in ifnames] \
+                or [ProcessGroupGloo.create_default_device(lazy_init=True)]
+        except TypeError:                   # a torch without per-device lazy init: connected at once (a full mesh)
+            log.debug("this torch has no lazy gloo devices: ckptstore's peer group connects every rank at once")
+            opts._devices = [ProcessGroupGloo.create_device(interface=i) for i in ifnames] \
+                or [ProcessGroupGloo.create_default_device()]
         self.backend = ProcessGroupGloo(dist.PrefixStore(f"ckptstore/gloo/{n}/", kv), self.rank,
                                         self.world_size, opts)
 
