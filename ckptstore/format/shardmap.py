@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import msgpack
@@ -55,7 +54,8 @@ import numpy as np
 
 from ..util.errors import CorruptCheckpointError
 from .manifest import ARRAY_KINDS, CONTAINER_KINDS, Manifest, frame, unframe
-from ..state.sharding import SavedShard, ShardIndex
+from ..state.sharding import (Intervals, Parsed, SavedShard, ShardIndex, _chunk, _merge, _select, _split,  # noqa: F401
+                              parse_placements)
 from ..state.flatten import KeyPath, path_str
 
 log = logging.getLogger("ckptstore")
@@ -128,85 +128,6 @@ def _order(paths: List[KeyPath]) -> bytes:
 
 
 # -- what each rank sends at a save ---------------------------------------------------------------------------
-_S_RE = re.compile(r"S\((\d+)\)")
-_SS_RE = re.compile(r"_S\((\d+), (\d+)\)")         # torch's str(_StridedShard(dim, split_factor=sf))
-
-Parsed = List[Tuple[str, int, int]]                 # (kind "S" / "SS" / "R", tensor dim, split factor)
-
-
-def parse_placements(placements: Sequence[str]) -> Optional[Parsed]:
-    """``("_S(0, 2)", "S(0)", "R")`` -> ``[("SS", 0, 2), ("S", 0, 1), ("R", -1, 1)]``; ``None`` when some
-    placement is none of these (not walked)."""
-    out = []
-    for p in placements:
-        if p == "R":
-            out.append(("R", -1, 1))
-            continue
-        m = _S_RE.fullmatch(p)
-        if m is not None:
-            out.append(("S", int(m.group(1)), 1))
-            continue
-        m = _SS_RE.fullmatch(p)
-        if m is None or int(m.group(2)) < 1:
-            return None
-        out.append(("SS", int(m.group(1)), int(m.group(2))))
-    return out
-
-
-def _chunk(size: int, n: int, c: int) -> Tuple[int, int]:
-    """(size, offset) of chunk ``c`` of ``n`` of ``size`` elements, as torch's ``Shard`` splits a dim
-    (``torch.chunk``: ceil(size / n) each, the last ones shorter or empty). Written out (torch's own
-    ``Shard.local_shard_size_and_offset`` costs ~80 us a call); a save whose boxes differ from it writes no
-    map (:func:`layout`), so a change of torch's rule cannot make a reader trust a wrong map."""
-    per = -(-size // n)
-    off = min(c * per, size)
-    return max(0, min(size, off + per) - off), off
-
-
-Intervals = List[Tuple[int, int]]                   # (offset, size) along one dim, in the local shard's order
-
-
-def _select(iv: Intervals, start: int, n: int) -> Intervals:
-    """Elements ``[start, start + n)`` of the concatenation of ``iv``, as intervals of the global dim."""
-    out, pos, end = [], 0, start + n
-    for a, s in iv:
-        lo, hi = max(start, pos), min(end, pos + s)
-        if lo < hi:
-            out.append((a + lo - pos, hi - lo))
-        pos += s
-        if pos >= end:
-            break
-    return out
-
-
-def _split(iv: Intervals, kind: str, sf: int, n: int, c: int) -> Intervals:
-    """What coordinate ``c`` of a mesh dim of ``n`` keeps of a dim holding ``iv``: ``S`` takes chunk ``c`` of
-    the concatenation (torch.chunk); ``SS`` (``_StridedShard(d, split_factor=sf)``, FSDP2 over tensor parallel)
-    chunks it into ``sf`` pieces, each piece into ``n``, and takes chunk ``c`` of every piece, in piece order
-    (torch's ``_StridedShard._split_tensor``). The result may be several intervals (a strided shard)."""
-    total = sum(s for _, s in iv)
-    if kind == "S":
-        sz, o = _chunk(total, n, c)
-        return _select(iv, o, sz)
-    out: Intervals = []
-    for j in range(sf):
-        psz, po = _chunk(total, sf, j)
-        ssz, so = _chunk(psz, n, c)
-        out += _select(iv, po + so, ssz)
-    return out
-
-
-def _merge(iv: Intervals) -> Intervals:
-    """``iv`` with consecutive intervals that continue each other joined (the local order is kept)."""
-    out: List[List[int]] = []
-    for a, s in iv:
-        if out and out[-1][0] + out[-1][1] == a:
-            out[-1][1] += s
-        else:
-            out.append([a, s])
-    return [(a, s) for a, s in out]
-
-
 def rule_box(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
              parsed: Parsed) -> Optional[Box]:
     """The box ``(offset, shape)`` the coordinate ``coord`` holds by rule (mesh dims applied left to right);
