@@ -19,8 +19,9 @@ rank's layout equals its own and every bit is set.
 **FSDP2 + tensor parallel** (issue 29): ``_StridedShard(d, split_factor=sf)`` (FSDP2's dim over a dim tensor
 parallelism already shards) is walked like ``Shard``, by torch's ``_StridedShard._split_tensor`` rule: chunk the
 extent into ``sf`` pieces, each piece into the mesh dim's size, a coordinate holding its chunk of every piece. A
-rank may thus hold several intervals of a dim; a save where some rank's are not one box (uneven strided shards,
-which torch's single (offset, shape) does not describe) writes no map. DTensors on a sub-mesh (the norms on
+rank may thus hold several intervals of a dim. The saved boxes follow torch's sharding order instead
+(:func:`~ckptstore.state.sharding.placed_box`: each tp shard chunked over dp), which this walk matches only where
+the shards are even; a save where some rank's saved box is not the walk's (uneven strided shards) writes no map. DTensors on a sub-mesh (the norms on
 FSDP2's ``dp`` mesh of a ``dp x tp`` mesh: a different rank grid per tp rank) are described on the grid of every
 slice of the sub-mesh (:func:`~ckptstore.state.sharding.mesh_grid`), a leading mesh dim whose slices hold the
 same shards (``"rule": 2``). Other placements are recorded but not walked: a reader reads every manifest for
@@ -131,8 +132,9 @@ def _order(paths: List[KeyPath]) -> bytes:
 def rule_box(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
              parsed: Parsed) -> Optional[Box]:
     """The box ``(offset, shape)`` the coordinate ``coord`` holds by rule (mesh dims applied left to right);
-    ``None`` when what it holds is no box (a strided shard whose pieces do not join up: torch's single
-    (offset, shape) does not describe it, so no map is written for such a layout)."""
+    ``None`` when what it holds is no box (a strided shard whose pieces do not join up). Where this differs
+    from the box a rank saved (:func:`~ckptstore.state.sharding.placed_box`: uneven strided shards), no map is
+    written for the layout (:func:`layout`)."""
     hold: Dict[int, Intervals] = {}
     for (kind, d, sf), n, c in zip(parsed, mesh_shape, coord):
         if kind != "R":

@@ -3,9 +3,12 @@
 **Saving.** A ``torch.distributed.tensor.DTensor`` (FSDP2 ``fully_shard``, tensor parallel, 2-D meshes, the
 values of ``get_state_dict``) is stored as its *local shard* only, like any tensor (chunked, content-addressed,
 deduplicated), plus a :class:`ShardInfo`: the global shape, the shard's offset in it, the mesh shape and the
-placements. The box ``[offset, offset + local shape)`` is what :func:`torch.distributed.tensor._utils.
-compute_local_shape_and_global_offset` gives, the same description DCP's planner writes. ``Partial``
-placements (unreduced values) are refused: they are not a value until reduced.
+placements. The box ``[offset, offset + local shape)`` is where torch puts the local tensor's elements
+(:func:`dtensor_box`): what :func:`torch.distributed.tensor._utils.compute_local_shape_and_global_offset` gives
+(the description DCP's planner writes), except with ``_StridedShard`` placements, where that function is wrong
+for uneven shards and the box follows torch's sharding order (:func:`placed_box`, issue 29). ``Partial``
+placements (unreduced values) are refused: they are not a value until reduced; so is a local tensor that is
+several pieces of the global one (no box describes it).
 
 **Loading (resharding).** A target is a box of the global tensor: a DTensor's local shard under *its* current
 mesh and placements, or the whole tensor for a plain target. For each target, :func:`plan` finds the saved
