@@ -222,6 +222,21 @@ def test_uneven_2d_fsdp_tp_state_saves_and_resumes_on_the_same_mesh_and_on_2_ran
         assert_same_state(full(got)["state"], want)
 
 
+def test_a_dtensor_in_several_pieces_per_rank_is_refused_at_save_and_as_a_resume_target(tmp_path):
+    """``(Shard(0), _StridedShard(0, 2))`` on a 2 x 2 mesh: torch splits it left to right, so rank 0 of 7 rows
+    holds rows 0 and 2, not one box. Main saved it as rows 0-1 (``compute_local_shape_and_global_offset``: the
+    right count, the wrong rows) and would have filled such a target likewise; now the save raises
+    ``CommitError`` naming the placements on every rank, and a resume into such a target
+    ``IncompatibleCheckpointError`` before writing into the refused ranks' targets."""
+    res = run(4, "--store", str(tmp_path / "store"), script=Path(__file__).resolve().parents[1] / "pieces_worker.py")
+    assert res[0]["held"] == [0, 2] and res[3]["held"] == [5]          # torch's own layout: pieces
+    for r, out in res.items():
+        assert out["save"].startswith("CommitError") and "not one box" in out["save"], out
+        assert out["resume"].startswith("IncompatibleCheckpointError") and "not one box" in out["resume"], out
+    assert all(res[r]["untouched"] for r in (0, 1, 2))                 # rank 3's one box may have been filled
+    assert store_steps(tmp_path / "store") == [2]
+
+
 def test_each_rank_stores_only_its_shard(saved4):
     """4 ranks of FSDP2 store about the state once (shards), not 4 copies; every rank has its manifest."""
     root = saved4 / "store"
