@@ -84,9 +84,9 @@ class Failing:
         pass
 
 
-def build(mesh_shape, seed=0, ddp=False):
+def build(mesh_shape, seed=0, ddp=False, hidden=24):
     torch.manual_seed(seed)
-    model = Net()
+    model = Net(hidden=hidden)
     if ddp:
         model = nn.parallel.DistributedDataParallel(model)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -126,6 +126,16 @@ def train_step(model, optim, step, rank, world, tp=1):
     t = loss.detach().clone()
     dist.all_reduce(t)
     return t.item() / world
+
+
+def set_grads_step(model, optim, step):
+    """An optimizer step on gradients that are a deterministic function of the step and the parameters (no
+    forward): the optimizer state gets every parameter's sharding."""
+    optim.zero_grad()
+    for p in model.parameters():
+        p.grad = p.detach() * 0.5 + 0.01 * step
+    optim.step()
+    return 0.0
 
 
 def digests(model, optim):
@@ -178,10 +188,15 @@ def main():
     ap.add_argument("--replicated", default="", help="comma-separated top-level keys saved by rank 0 only")
     ap.add_argument("--replicated-ranks", default="", help="only these ranks pass --replicated (a mistake)")
     ap.add_argument("--rng", type=int, default=0, help="save torch's CPU generator per rank (equal on every rank)")
+    ap.add_argument("--hidden", type=int, default=24, help="the blocks' hidden size (13 on a 3x2 mesh: uneven)")
+    ap.add_argument("--seed", type=int, default=0, help="the model's init seed")
+    ap.add_argument("--forward", type=int, default=1,
+                    help="0: optimizer steps on set gradients, no forward (torch's tensor parallel forward needs "
+                         "even shards)")
     args = ap.parse_args()
     rank, world = join()
     mesh_shape = tuple(int(x) for x in args.mesh.split("x")) if args.mesh else (world,)
-    model, optim = build(mesh_shape, ddp=bool(args.ddp))
+    model, optim = build(mesh_shape, ddp=bool(args.ddp), hidden=args.hidden, seed=args.seed)
     app = AppState(model, optim)
     progress = {"consumed": 0, "rank": rank} if args.progress else None
     store_root = args.store.replace("{rank}", str(rank)).replace("{node}", str(rank // 2))
@@ -252,7 +267,8 @@ def main():
         step += 1
         # the tp ranks of a dp x tp mesh see their dp rank's batch (tensor parallelism splits one batch's work;
         # different batches would make the tp-replicated values, norms and biases, differ between tp ranks)
-        loss = train_step(model, optim, step, rank, world, tp=mesh_shape[1] if len(mesh_shape) == 2 else 1)
+        loss = (train_step(model, optim, step, rank, world, tp=mesh_shape[1] if len(mesh_shape) == 2 else 1)
+                if args.forward else set_grads_step(model, optim, step))
         if progress is not None:
             progress["consumed"] += 8
         state["step"] = step

@@ -19,8 +19,9 @@ rank's layout equals its own and every bit is set.
 **FSDP2 + tensor parallel** (issue 29): ``_StridedShard(d, split_factor=sf)`` (FSDP2's dim over a dim tensor
 parallelism already shards) is walked like ``Shard``, by torch's ``_StridedShard._split_tensor`` rule: chunk the
 extent into ``sf`` pieces, each piece into the mesh dim's size, a coordinate holding its chunk of every piece. A
-rank may thus hold several intervals of a dim; a save where some rank's are not one box (uneven strided shards,
-which torch's single (offset, shape) does not describe) writes no map. DTensors on a sub-mesh (the norms on
+rank may thus hold several intervals of a dim. The saved boxes follow torch's sharding order instead
+(:func:`~ckptstore.state.sharding.placed_box`: each tp shard chunked over dp), which this walk matches only where
+the shards are even; a save where some rank's saved box is not the walk's (uneven strided shards) writes no map. DTensors on a sub-mesh (the norms on
 FSDP2's ``dp`` mesh of a ``dp x tp`` mesh: a different rank grid per tp rank) are described on the grid of every
 slice of the sub-mesh (:func:`~ckptstore.state.sharding.mesh_grid`), a leading mesh dim whose slices hold the
 same shards (``"rule": 2``). Other placements are recorded but not walked: a reader reads every manifest for
@@ -47,7 +48,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import msgpack
@@ -55,7 +55,8 @@ import numpy as np
 
 from ..util.errors import CorruptCheckpointError
 from .manifest import ARRAY_KINDS, CONTAINER_KINDS, Manifest, frame, unframe
-from ..state.sharding import SavedShard, ShardIndex
+from ..state.sharding import (Intervals, Parsed, SavedShard, ShardIndex, _chunk, _merge, _select, _split,  # noqa: F401
+                              parse_placements)
 from ..state.flatten import KeyPath, path_str
 
 log = logging.getLogger("ckptstore")
@@ -128,90 +129,12 @@ def _order(paths: List[KeyPath]) -> bytes:
 
 
 # -- what each rank sends at a save ---------------------------------------------------------------------------
-_S_RE = re.compile(r"S\((\d+)\)")
-_SS_RE = re.compile(r"_S\((\d+), (\d+)\)")         # torch's str(_StridedShard(dim, split_factor=sf))
-
-Parsed = List[Tuple[str, int, int]]                 # (kind "S" / "SS" / "R", tensor dim, split factor)
-
-
-def parse_placements(placements: Sequence[str]) -> Optional[Parsed]:
-    """``("_S(0, 2)", "S(0)", "R")`` -> ``[("SS", 0, 2), ("S", 0, 1), ("R", -1, 1)]``; ``None`` when some
-    placement is none of these (not walked)."""
-    out = []
-    for p in placements:
-        if p == "R":
-            out.append(("R", -1, 1))
-            continue
-        m = _S_RE.fullmatch(p)
-        if m is not None:
-            out.append(("S", int(m.group(1)), 1))
-            continue
-        m = _SS_RE.fullmatch(p)
-        if m is None or int(m.group(2)) < 1:
-            return None
-        out.append(("SS", int(m.group(1)), int(m.group(2))))
-    return out
-
-
-def _chunk(size: int, n: int, c: int) -> Tuple[int, int]:
-    """(size, offset) of chunk ``c`` of ``n`` of ``size`` elements, as torch's ``Shard`` splits a dim
-    (``torch.chunk``: ceil(size / n) each, the last ones shorter or empty). Written out (torch's own
-    ``Shard.local_shard_size_and_offset`` costs ~80 us a call); a save whose boxes differ from it writes no
-    map (:func:`layout`), so a change of torch's rule cannot make a reader trust a wrong map."""
-    per = -(-size // n)
-    off = min(c * per, size)
-    return max(0, min(size, off + per) - off), off
-
-
-Intervals = List[Tuple[int, int]]                   # (offset, size) along one dim, in the local shard's order
-
-
-def _select(iv: Intervals, start: int, n: int) -> Intervals:
-    """Elements ``[start, start + n)`` of the concatenation of ``iv``, as intervals of the global dim."""
-    out, pos, end = [], 0, start + n
-    for a, s in iv:
-        lo, hi = max(start, pos), min(end, pos + s)
-        if lo < hi:
-            out.append((a + lo - pos, hi - lo))
-        pos += s
-        if pos >= end:
-            break
-    return out
-
-
-def _split(iv: Intervals, kind: str, sf: int, n: int, c: int) -> Intervals:
-    """What coordinate ``c`` of a mesh dim of ``n`` keeps of a dim holding ``iv``: ``S`` takes chunk ``c`` of
-    the concatenation (torch.chunk); ``SS`` (``_StridedShard(d, split_factor=sf)``, FSDP2 over tensor parallel)
-    chunks it into ``sf`` pieces, each piece into ``n``, and takes chunk ``c`` of every piece, in piece order
-    (torch's ``_StridedShard._split_tensor``). The result may be several intervals (a strided shard)."""
-    total = sum(s for _, s in iv)
-    if kind == "S":
-        sz, o = _chunk(total, n, c)
-        return _select(iv, o, sz)
-    out: Intervals = []
-    for j in range(sf):
-        psz, po = _chunk(total, sf, j)
-        ssz, so = _chunk(psz, n, c)
-        out += _select(iv, po + so, ssz)
-    return out
-
-
-def _merge(iv: Intervals) -> Intervals:
-    """``iv`` with consecutive intervals that continue each other joined (the local order is kept)."""
-    out: List[List[int]] = []
-    for a, s in iv:
-        if out and out[-1][0] + out[-1][1] == a:
-            out[-1][1] += s
-        else:
-            out.append([a, s])
-    return [(a, s) for a, s in out]
-
-
 def rule_box(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
              parsed: Parsed) -> Optional[Box]:
     """The box ``(offset, shape)`` the coordinate ``coord`` holds by rule (mesh dims applied left to right);
-    ``None`` when what it holds is no box (a strided shard whose pieces do not join up: torch's single
-    (offset, shape) does not describe it, so no map is written for such a layout)."""
+    ``None`` when what it holds is no box (a strided shard whose pieces do not join up). Where this differs
+    from the box a rank saved (:func:`~ckptstore.state.sharding.placed_box`: uneven strided shards), no map is
+    written for the layout (:func:`layout`)."""
     hold: Dict[int, Intervals] = {}
     for (kind, d, sf), n, c in zip(parsed, mesh_shape, coord):
         if kind != "R":

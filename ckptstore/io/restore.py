@@ -356,7 +356,10 @@ class StepLoader:
                 raise IncompatibleCheckpointError(
                     f"{key}: checkpoint holds {entry.dtype} of global shape {list(g)}, the target is "
                     f"{str(target.dtype).replace('torch.', '')} of shape {list(target.shape)}", step=self.commit.step)
-            box = target_box(target)
+            try:
+                box = target_box(target)
+            except TypeError as e:                  # its local tensor is no one box: nothing to fill it by
+                raise IncompatibleCheckpointError(f"{key}: {e}", step=self.commit.step) from None
         else:
             if isinstance(target, torch.Tensor) and (tuple(target.shape) != tuple(g) or target.dtype != dtype):
                 raise IncompatibleCheckpointError(

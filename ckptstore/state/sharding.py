@@ -3,9 +3,12 @@
 **Saving.** A ``torch.distributed.tensor.DTensor`` (FSDP2 ``fully_shard``, tensor parallel, 2-D meshes, the
 values of ``get_state_dict``) is stored as its *local shard* only, like any tensor (chunked, content-addressed,
 deduplicated), plus a :class:`ShardInfo`: the global shape, the shard's offset in it, the mesh shape and the
-placements. The box ``[offset, offset + local shape)`` is what :func:`torch.distributed.tensor._utils.
-compute_local_shape_and_global_offset` gives, the same description DCP's planner writes. ``Partial``
-placements (unreduced values) are refused: they are not a value until reduced.
+placements. The box ``[offset, offset + local shape)`` is where torch puts the local tensor's elements
+(:func:`dtensor_box`): what :func:`torch.distributed.tensor._utils.compute_local_shape_and_global_offset` gives
+(the description DCP's planner writes), except with ``_StridedShard`` placements, where that function is wrong
+for uneven shards and the box follows torch's sharding order (:func:`placed_box`, issue 29). ``Partial``
+placements (unreduced values) are refused: they are not a value until reduced; so is a local tensor that is
+several pieces of the global one (no box describes it).
 
 **Loading (resharding).** A target is a box of the global tensor: a DTensor's local shard under *its* current
 mesh and placements, or the whole tensor for a plain target. For each target, :func:`plan` finds the saved
@@ -20,6 +23,7 @@ tensors stay cheap). Replicated shards (the same box saved by several ranks) are
 from __future__ import annotations
 
 import bisect
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -77,26 +81,195 @@ class ShardInfo:
         return ShardInfo(g, o, m, tuple(p))
 
 
+# -- placements as rules over intervals (the shard map walks the same rules: ckptstore.format.shardmap) ------
+_S_RE = re.compile(r"S\((\d+)\)")
+_SS_RE = re.compile(r"_S\((\d+), (\d+)\)")         # torch's str(_StridedShard(dim, split_factor=sf))
+
+Parsed = List[Tuple[str, int, int]]                 # (kind "S" / "SS" / "R", tensor dim, split factor)
+
+
+def parse_placements(placements: Sequence[str]) -> Optional[Parsed]:
+    """``("_S(0, 2)", "S(0)", "R")`` -> ``[("SS", 0, 2), ("S", 0, 1), ("R", -1, 1)]``; ``None`` when some
+    placement is none of these (not walked)."""
+    out = []
+    for p in placements:
+        if p == "R":
+            out.append(("R", -1, 1))
+            continue
+        m = _S_RE.fullmatch(p)
+        if m is not None:
+            out.append(("S", int(m.group(1)), 1))
+            continue
+        m = _SS_RE.fullmatch(p)
+        if m is None or int(m.group(2)) < 1:
+            return None
+        out.append(("SS", int(m.group(1)), int(m.group(2))))
+    return out
+
+
+def _chunk(size: int, n: int, c: int) -> Tuple[int, int]:
+    """(size, offset) of chunk ``c`` of ``n`` of ``size`` elements, as torch's ``Shard`` splits a dim
+    (``torch.chunk``: ceil(size / n) each, the last ones shorter or empty). Written out (torch's own
+    ``Shard.local_shard_size_and_offset`` costs ~80 us a call); a save whose boxes differ from it writes no
+    map (:func:`layout`), so a change of torch's rule cannot make a reader trust a wrong map."""
+    per = -(-size // n)
+    off = min(c * per, size)
+    return max(0, min(size, off + per) - off), off
+
+
+Intervals = List[Tuple[int, int]]                   # (offset, size) along one dim, in the local shard's order
+
+
+def _select(iv: Intervals, start: int, n: int) -> Intervals:
+    """Elements ``[start, start + n)`` of the concatenation of ``iv``, as intervals of the global dim."""
+    out, pos, end = [], 0, start + n
+    for a, s in iv:
+        lo, hi = max(start, pos), min(end, pos + s)
+        if lo < hi:
+            out.append((a + lo - pos, hi - lo))
+        pos += s
+        if pos >= end:
+            break
+    return out
+
+
+def _split(iv: Intervals, kind: str, sf: int, n: int, c: int) -> Intervals:
+    """What coordinate ``c`` of a mesh dim of ``n`` keeps of a dim holding ``iv``: ``S`` takes chunk ``c`` of
+    the concatenation (torch.chunk); ``SS`` (``_StridedShard(d, split_factor=sf)``, FSDP2 over tensor parallel)
+    chunks it into ``sf`` pieces, each piece into ``n``, and takes chunk ``c`` of every piece, in piece order
+    (torch's ``_StridedShard._split_tensor``). The result may be several intervals (a strided shard)."""
+    total = sum(s for _, s in iv)
+    if kind == "S":
+        sz, o = _chunk(total, n, c)
+        return _select(iv, o, sz)
+    out: Intervals = []
+    for j in range(sf):
+        psz, po = _chunk(total, sf, j)
+        ssz, so = _chunk(psz, n, c)
+        out += _select(iv, po + so, ssz)
+    return out
+
+
+def _merge(iv: Intervals) -> Intervals:
+    """``iv`` with consecutive intervals that continue each other joined (the local order is kept)."""
+    out: List[List[int]] = []
+    for a, s in iv:
+        if out and out[-1][0] + out[-1][1] == a:
+            out[-1][1] += s
+        else:
+            out.append([a, s])
+    return [(a, s) for a, s in out]
+
+
+def shard_order(parsed: Parsed, mesh_shape: Sequence[int]) -> Optional[Dict[int, List[int]]]:
+    """Per sharded tensor dim, the mesh dims that shard it, in the order torch applies them to the data; ``None``
+    when some ``_StridedShard``'s split factor fits no order. torch's rule (``DTensorSpec.
+    _maybe_convert_StridedShard_to_shard_order``, torch >= 2.9): placements are read right to left; a ``Shard``
+    goes first (split factor 1), a ``_StridedShard(d, sf)`` after the mesh dims (in the order so far) whose sizes
+    multiply to ``sf``. FSDP2 + tensor parallel's ``(_S(d, tp), S(d))`` is thus ``tp`` then ``dp``: each tp
+    shard chunked over dp, as ``fully_shard`` chunks the tensor parallel local tensor. Without ``_S`` placements
+    the order is left to right, as for ``Shard``."""
+    order: Dict[int, List[int]] = {}
+    for md in reversed(range(len(parsed))):
+        kind, d, sf = parsed[md]
+        if kind == "R":
+            continue
+        dims = order.setdefault(d, [])
+        acc = 1
+        for i in range(len(dims) + 1):
+            if acc == sf:
+                dims.insert(i, md)
+                break
+            if i < len(dims):
+                acc *= mesh_shape[dims[i]]
+        else:
+            return None
+    return order
+
+
+def placed_box(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
+               parsed: Parsed) -> Optional[Box]:
+    """The box ``(offset, shape)`` of the global tensor whose elements the mesh coordinate ``coord`` holds, as
+    torch places them: in :func:`shard_order` when the placements have one (each mesh dim chunking what the
+    previous ones left, ``torch.chunk``'s sizes: always one box), else left to right by
+    ``_StridedShard._split_tensor`` (:func:`_split`), which may leave a coordinate several disjoint pieces: then
+    ``None`` (no one box describes that local tensor). An empty shard's offset is the dim's size, as torch's.
+
+    Not ``compute_local_shape_and_global_offset``: it applies ``_StridedShard`` left to right whatever the
+    order, which differs from the data FSDP2 + tensor parallel hold (and from ``redistribute``) when a dim
+    does not split evenly: a 13-row weight on a 3 x 2 (dp x tp) mesh is held as rows ``[6, 7)`` by
+    coordinate (2, 0) and ``[11, 13)`` by (2, 1); it says ``[6, 8)`` and ``[12, 13)`` (issue 29)."""
+    off, size = [0] * len(global_shape), [int(n) for n in global_shape]
+    order = shard_order(parsed, mesh_shape)
+    if order is not None:
+        for d, dims in order.items():
+            for md in dims:
+                size[d], o = _chunk(size[d], mesh_shape[md], coord[md])
+                off[d] += o
+    else:
+        hold: Dict[int, Intervals] = {}
+        for (kind, d, sf), n, c in zip(parsed, mesh_shape, coord):
+            if kind != "R":
+                hold[d] = _split(hold.get(d, [(0, global_shape[d])]), kind, sf, n, c)
+        for d, iv in hold.items():
+            iv = _merge(iv)
+            if len(iv) > 1:
+                return None
+            off[d], size[d] = iv[0] if iv else (0, 0)
+    for d, n in enumerate(size):
+        if n == 0:
+            off[d] = int(global_shape[d])
+    return tuple(off), tuple(size)
+
+
 def is_dtensor(value: Any) -> bool:
     """True for a ``torch.distributed.tensor.DTensor`` (checked without importing torch.distributed)."""
     return isinstance(value, torch.Tensor) and type(value).__name__ == "DTensor" and hasattr(value, "placements")
 
 
 def local_shard(t) -> Tuple[torch.Tensor, ShardInfo]:
-    """A DTensor's local tensor and its :class:`ShardInfo`. Raises ``TypeError`` for ``Partial`` placements."""
+    """A DTensor's local tensor and its :class:`ShardInfo` (its box: :func:`dtensor_box`). Raises ``TypeError``
+    for ``Partial`` placements and for a local tensor that is not one box of the global tensor."""
     from torch.distributed.tensor import Partial
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     if any(isinstance(p, Partial) for p in t.placements):
         raise TypeError(f"a DTensor with Partial placements {tuple(t.placements)} holds unreduced values: "
                         "redistribute it to Shard/Replicate before saving")
     local = t.to_local()
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    if tuple(shape) != tuple(local.shape):
-        raise TypeError(f"DTensor local shard has shape {tuple(local.shape)}, its placements "
-                        f"{tuple(t.placements)} say {tuple(shape)}: cannot place it")
-    return local, ShardInfo(tuple(int(s) for s in t.shape), tuple(int(o) for o in offset),
+    offset, _ = dtensor_box(t, local)
+    return local, ShardInfo(tuple(int(s) for s in t.shape), offset,
                             tuple(int(s) for s in t.device_mesh.shape), tuple(str(p) for p in t.placements),
                             mesh_grid(t.device_mesh))
+
+
+def dtensor_box(t, local: Optional[torch.Tensor] = None) -> Box:
+    """The box of the global tensor that DTensor ``t``'s local tensor holds on this rank.
+
+    With a ``_StridedShard`` placement, the box torch places the data in (:func:`placed_box`); otherwise (and
+    where the rank is outside the mesh or a placement is of another kind) torch's
+    ``compute_local_shape_and_global_offset``, DCP's description of a shard. Raises ``TypeError`` when the
+    placements leave this rank several pieces of a dim (a ``_StridedShard`` whose split factor fits no sharding
+    order, e.g. ``(S(0), _S(0, 2))``: not FSDP2's) or the box's shape is not the local tensor's: ckptstore saves
+    and fills one box per rank and key, and refuses rather than place elements where they do not belong."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    local = t.to_local() if local is None else local
+    names = [str(p) for p in t.placements]
+    parsed = parse_placements(names) if any(n.startswith("_S(") for n in names) else None
+    coord = t.device_mesh.get_coordinate() if parsed is not None else None
+    if parsed is not None and coord is not None:
+        box = placed_box(tuple(int(s) for s in t.shape), tuple(int(s) for s in t.device_mesh.shape),
+                         [int(c) for c in coord], parsed)
+        if box is None:
+            raise TypeError(f"DTensor placements {tuple(names)} leave this rank (mesh coordinate {list(coord)}) "
+                            f"several pieces of the global tensor {tuple(t.shape)}, not one box: ckptstore cannot "
+                            "place it (redistribute it, e.g. to the placements FSDP2 + tensor parallel use)")
+        offset, shape = box
+    else:
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    offset, shape = tuple(int(o) for o in offset), tuple(int(s) for s in shape)
+    if shape != tuple(local.shape):
+        raise TypeError(f"DTensor local shard has shape {tuple(local.shape)}, its placements "
+                        f"{tuple(t.placements)} say {shape}: cannot place it")
+    return offset, shape
 
 
 _GRIDS: Dict[int, Tuple[Any, bytes]] = {}       # id(mesh) -> (mesh, its grid): a few long-lived meshes
@@ -132,11 +305,10 @@ def mesh_grid(mesh) -> Optional[bytes]:
 
 
 def target_box(t) -> Box:
-    """The box of the global tensor that target ``t`` holds: its local shard for a DTensor, else all of it."""
+    """The box of the global tensor that target ``t`` holds: its local shard for a DTensor (:func:`dtensor_box`,
+    which raises ``TypeError`` for a local tensor that is not one box), else all of it."""
     if is_dtensor(t):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        return tuple(int(o) for o in offset), tuple(int(s) for s in shape)
+        return dtensor_box(t)
     return (0,) * t.dim(), tuple(t.shape)
 
 

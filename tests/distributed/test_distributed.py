@@ -194,6 +194,49 @@ def test_2d_fsdp_tp_state_resumes_on_other_meshes_reading_only_overlapping_manif
     assert min(reads) < 4
 
 
+@pytest.mark.slow
+def test_uneven_2d_fsdp_tp_state_saves_and_resumes_on_the_same_mesh_and_on_2_ranks(tmp_path):
+    """Issue 29: FSDP2 + tensor parallel on a 3 x 2 (dp x tp) mesh with a 13-wide hidden layer, so the colwise
+    weights' ``(_StridedShard(0, 2), Shard(0))`` shards are uneven: dp rank 2 holds row 6 on tp rank 0 and rows
+    11-12 on tp rank 1, where torch's ``compute_local_shape_and_global_offset`` says 2 rows and 1 (main refused
+    to save: "cannot place it"). Saved on 6 ranks, it resumes bit for bit on the same mesh (each rank's own
+    shard, filled by the same box) and on 2 ranks (resharded from the saved boxes). The steps are optimizer
+    steps on set gradients (torch's tensor parallel forward needs even shards)."""
+    src = tmp_path / "src"
+    res = run(6, "--mode", "save", "--mesh", "3x2", "--hidden", "13", "--forward", "0", "--store",
+              str(src / "store"), "--steps", "2", "--full", str(src / "w.pt"))
+    assert all(r.get("result") != "error" for r in res.values()), res
+    want = full(src / "w.pt")["state"]
+    assert tuple(want["model"]["blocks.0.0.weight"].shape) == (13, 16)
+    with Store(src / "store") as s:                     # saved where the rows are: tp shards of 7 and 6, by dp
+        commit = s.commit_info(2)
+        boxes = sorted((n.payload.shard.offset[0], n.payload.shape[0]) for r in range(6)
+                       for n in s.catalog.read_manifest(commit, r).nodes
+                       if n.kind == "dtensor" and n.path[-1] == "blocks.0.0.weight" and "model" in n.path)
+    assert boxes == [(0, 3), (3, 3), (6, 1), (7, 2), (9, 2), (11, 2)], boxes
+    for world, mesh in [(6, "3x2"), (2, "")]:
+        got = tmp_path / f"got{world}.pt"
+        res = run(world, "--mode", "load", "--mesh", mesh, "--hidden", "13", "--seed", "1", "--store",
+                  str(src / "store"), "--full", str(got))          # another init: only the resume can match
+        assert {r["step"] for r in res.values()} == {2}, res
+        assert_same_state(full(got)["state"], want)
+
+
+def test_a_dtensor_in_several_pieces_per_rank_is_refused_at_save_and_as_a_resume_target(tmp_path):
+    """``(Shard(0), _StridedShard(0, 2))`` on a 2 x 2 mesh: torch splits it left to right, so rank 0 of 7 rows
+    holds rows 0 and 2, not one box. Main saved it as rows 0-1 (``compute_local_shape_and_global_offset``: the
+    right count, the wrong rows) and would have filled such a target likewise; now the save raises
+    ``CommitError`` naming the placements on every rank, and a resume into such a target
+    ``IncompatibleCheckpointError`` before writing into the refused ranks' targets."""
+    res = run(4, "--store", str(tmp_path / "store"), script=Path(__file__).resolve().parents[1] / "pieces_worker.py")
+    assert res[0]["held"] == [0, 2] and res[3]["held"] == [5]          # torch's own layout: pieces
+    for r, out in res.items():
+        assert out["save"].startswith("CommitError") and "not one box" in out["save"], out
+        assert out["resume"].startswith("IncompatibleCheckpointError") and "not one box" in out["resume"], out
+    assert all(res[r]["untouched"] for r in (0, 1, 2))                 # rank 3's one box may have been filled
+    assert store_steps(tmp_path / "store") == [2]
+
+
 def test_each_rank_stores_only_its_shard(saved4):
     """4 ranks of FSDP2 store about the state once (shards), not 4 copies; every rank has its manifest."""
     root = saved4 / "store"
