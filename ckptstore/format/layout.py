@@ -133,6 +133,34 @@ def parse_shards_name(name: str):
     return int(m.group(1) or 0) if m else None
 
 
+def table_tag(digest: bytes) -> str:
+    """The name tag of a manifest table and its rows files: the first 16 hex digits of the table's digest (the
+    files are named by their contents, so a re-saved, repacked or pulled step's new table never replaces the
+    one an older marker names)."""
+    if not isinstance(digest, bytes) or len(digest) != 32:
+        raise ValueError(f"invalid manifest table digest {digest!r:.80}")
+    return digest.hex()[:16]
+
+
+def table_path(step: int, digest: bytes) -> str:
+    """Path of a step's manifest table (FORMAT.md "Manifest table"): ``steps/<step>/manifests-<tag>.tbl``."""
+    return f"{step_dir(step)}/manifests-{table_tag(digest)}.tbl"
+
+
+def rows_path(step: int, digest: bytes, first: int) -> str:
+    """Path of a rows file: the rows of some ranks of the table ``digest`` names (``first``: the lowest of
+    them), written into a root that holds those ranks' parts but not the table (a leader's, a pull's)."""
+    if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first < 100000:
+        raise ValueError(f"invalid rank {first!r}")
+    return f"{step_dir(step)}/rows-{table_tag(digest)}.r{first:05d}.msgpack"
+
+
+def parse_table_name(name: str):
+    """``'manifests-<tag>.tbl'`` / ``'rows-<tag>.r<rank>.msgpack'`` -> the tag; anything else -> ``None``."""
+    m = re.match(r"^(?:manifests-([0-9a-f]{16})\.tbl|rows-([0-9a-f]{16})\.r[0-9]{5}\.msgpack)$", name)
+    return (m.group(1) or m.group(2)) if m else None
+
+
 ASIDE_NAME = "ASIDE"                     # the record a set-aside step directory is written with first
 _ASIDE_DIR_RE = re.compile(r"^([0-9]{12})\.aside-([0-9a-f]{16})$")
 
