@@ -54,14 +54,14 @@ def rank0_only(n: int, shape: str) -> dict:
         server.multi_set(keys[lo:lo + 1000], vals[lo:lo + 1000])
     del vals
     m = llama_manifest(shape, 0, n, job.grid, 1)
-    new_commit, write_marker, write_map = job._writers(0, 1)
+    new_commit, write_marker, write_map, write_rows = job._writers(0, 1)
     gc.collect()
     tracemalloc.start()
     t = time.perf_counter()
     ok = commit_across_ranks(coord, tag, 1, manifest=m, own_digest=(_blob("m")[:32].encode(), 4096, 0),
                              bytes_total=m.bytes_total, error=None, where=b"shared", timeout=60,
-                             new_commit=new_commit, write_marker=write_marker, write_map=write_map, gen=0,
-                             adopt_run_id=lambda rid: None)
+                             new_commit=new_commit, write_marker=write_marker, write_map=write_map,
+                             write_rows=write_rows, gen=0, adopt_run_id=lambda rid: None)
     secs = time.perf_counter() - t
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()

@@ -6,7 +6,7 @@ at 10,000 ranks, read whole by every resuming rank and sent whole to every leade
 ``steps/<step>/manifests-<tag>.tbl`` (:func:`~ckptstore.format.layout.table_path`), of fixed-size rows
 (:data:`ROW`: 32-byte manifest digest, u64 size, u32 generation, u32 flags = 1, little-endian; row index =
 rank), and the marker names it as ``"table": [file digest, size, rows per page, [page digests...]]``. A reader of
-rank r's row reads page ``r // rows_per_page`` by range (24 KiB at 512 rows a page) and checks it against the
+rank r's row reads page ``r // rows_per_page`` by range (6 KiB at 128 rows a page) and checks it against the
 page digest the marker holds (a mismatch: ``CorruptCheckpointError`` for that step, which falls back like any
 damaged step). Markers of at most :data:`INLINE_ROWS` ranks are written as before, byte for byte.
 
@@ -30,7 +30,7 @@ from ..util.errors import CorruptCheckpointError, DamagedRead
 #: is encoded). ``CKPTSTORE_INLINE_ROWS`` (environment, read at import) lowers it: tests exercise tables with a
 #: few real ranks that way (0: every marker names a table)
 INLINE_ROWS = int(os.environ.get("CKPTSTORE_INLINE_ROWS", "512"))
-ROWS_PER_PAGE = 512                     # rows of one page: 24 KiB, the unit a reader reads and checks
+ROWS_PER_PAGE = 128                     # rows of one page: 6 KiB, the unit a reader reads and checks
 ROW = struct.Struct("<32sQII")          # digest, size in bytes, generation, flags (1 = present)
 TABLE_FORMAT = 3                        # frame format of a marker naming a table, and of a rows file
 MAX_ROWS_FILE_BYTES = 1 << 20
