@@ -11,15 +11,18 @@ Protocol for one ``save`` under ``torch.distributed`` (``tag`` is the save's key
    manifest table). If every part is ok, it settles the save as ``"commit"`` (an atomic first-writer-wins
    decision in the key-value store), writes the shard map, then the commit marker into its root and moves its
    latest pointer; otherwise it settles ``"abort"``. It leaves each *leader* (the lowest rank of every other
-   root: node-local disks) a message with the commit marker's bytes and what it needs to build the same shard
-   map, then broadcasts the verdict, the same small message to every rank (< 1 KB: committed or not, at most
+   root: node-local disks) a message with the commit marker's bytes, what it needs to build the same shard
+   map and, when the marker names a manifest table (:mod:`ckptstore.format.mtable`, more than 512 ranks), the
+   manifest rows of that root's ranks only (issue 29: it was the whole marker, 41 bytes a rank), then
+   broadcasts the verdict, the same small message to every rank (< 1 KB: committed or not, at most
    :data:`MAX_LISTED` failing ranks with their errors and how many more, the run id).
 3. A rank whose verdict does not come within the deadline (plus a slack: rank 0 may have started later) tries
    to settle the save as aborted by itself. If rank 0 settled first (commit or abort), the rank waits for the
    verdict after all (it is coming); otherwise the save is aborted and rank 0, settling later, finds ``"abort"``
    and does not commit. So no rank ever reports a failure for a step that gets committed, or success for one
    that does not.
-4. After the verdict, a leader takes its message and writes the shard map and the marker into its own root.
+4. After the verdict, a leader takes its message and writes the shard map, its root's rows (a rows file, when the
+   marker names a table) and the marker into its own root.
    Nothing the agreement put in the key-value store outlives it (:mod:`ckptstore.distributed.collective`).
 
 Every rank raises the same :class:`CommitError` (naming the failing ranks and their errors) when the step was
@@ -298,7 +301,8 @@ def commit_across_ranks(coord: Coordinator, tag: str, step: int, *, manifest: Op
             else:                   # readers in this root then read every manifest (logged there)
                 log.warning("step %d: this root's shard map differs from rank 0's: not written", step)
         if decoded.table is not None:
-            write_rows(decoded.table.digest, {int(q): (d, int(sz), int(g)) for q, d, sz, g in message.get("rows") or []})
+            rows = message.get("rows") or []
+            write_rows(decoded.table.digest, {int(q): (d, int(sz), int(g)) for q, d, sz, g in rows})
         write_marker(data, None)
 
     def adopt(verdict):                               # rank 0's run id, on every rank, from the first commit

@@ -11,6 +11,8 @@ Layout (format version 2; version 1 is the same without ``packs/`` and manifest 
     packs/<id[:2]>/<id>.pack       pack: many small chunks back to back (id = BLAKE3-256 hex of the whole file)
     steps/<step:012d>/manifest-rank<rank:05d>.msgpack          generation 0
     steps/<step:012d>/manifest-rank<rank:05d>.g<gen>.msgpack   generation gen > 0 (rewritten by a repack)
+    steps/<step:012d>/manifests-<tag>.tbl              manifest table of a step of > 512 ranks (mtable.py)
+    steps/<step:012d>/rows-<tag>.r<rank:05d>.msgpack   some ranks' rows of it, in a root without the table
     steps/<step:012d>/COMMIT       commit marker, written last: makes the step visible
     steps/<step:012d>.aside-<tag>/ a committed step set aside by a resume from an older step (ASIDE + its files)
     latest                         latest pointer (JSON), names the newest committed step

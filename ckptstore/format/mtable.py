@@ -5,10 +5,12 @@ at 10,000 ranks, read whole by every resuming rank and sent whole to every leade
 :data:`INLINE_ROWS` ranks therefore writes the rows into a file of its own,
 ``steps/<step>/manifests-<tag>.tbl`` (:func:`~ckptstore.format.layout.table_path`), of fixed-size rows
 (:data:`ROW`: 32-byte manifest digest, u64 size, u32 generation, u32 flags = 1, little-endian; row index =
-rank), and the marker names it as ``"table": [file digest, size, rows per page, [page digests...]]``. A reader of
-rank r's row reads page ``r // rows_per_page`` by range (6 KiB at 128 rows a page) and checks it against the
-page digest the marker holds (a mismatch: ``CorruptCheckpointError`` for that step, which falls back like any
-damaged step). Markers of at most :data:`INLINE_ROWS` ranks are written as before, byte for byte.
+rank) followed by an *index*, the BLAKE3 digest of each page of rows, and the marker names it as ``"table":
+[file digest, size, rows per page, index digest]`` (a marker of constant size whatever N: a leader receives it).
+A reader of rank r's row reads the index by range (32 bytes a page, once) and page ``r // rows_per_page`` (6 KiB
+at 128 rows a page), and checks each against its digest (a mismatch: ``CorruptCheckpointError`` for that step,
+which falls back like any damaged step). Markers of at most :data:`INLINE_ROWS` ranks are written as before,
+byte for byte.
 
 A root that holds some ranks' parts but not the table (a leader's node-local root, a pull of one rank's part)
 holds *rows files* instead, ``rows-<tag>.r<first rank>.msgpack`` (frame kind ``"rows"``): those ranks' rows and the
@@ -39,20 +41,24 @@ Row = Tuple[bytes, int, int]
 
 
 class TableRef(tuple):
-    """``(digest, size, rows_per_page, pages)``: the table file's BLAKE3 digest (32 bytes), size in bytes, rows
-    per page and each page's digest, as the marker records them."""
+    """``(digest, size, rows_per_page, index)``: the table file's BLAKE3 digest (32 bytes), size in bytes, rows
+    per page and the digest of its index (the pages' digests), as the marker records them."""
     __slots__ = ()
 
-    def __new__(cls, digest: bytes, size: int, rows_per_page: int, pages):
-        return super().__new__(cls, (digest, size, rows_per_page, tuple(pages)))
+    def __new__(cls, digest: bytes, size: int, rows_per_page: int, index: bytes):
+        return super().__new__(cls, (digest, size, rows_per_page, index))
 
     digest = property(lambda self: self[0])
     size = property(lambda self: self[1])
     rows_per_page = property(lambda self: self[2])
-    pages = property(lambda self: self[3])
+    index = property(lambda self: self[3])
 
     def encode(self) -> list:
-        return [self.digest, self.size, self.rows_per_page, list(self.pages)]
+        return list(self)
+
+
+def pages_of(world_size: int, rows_per_page: int) -> int:
+    return -(-world_size // rows_per_page)
 
 
 def _check_row(r: int, row) -> Row:
@@ -73,24 +79,24 @@ def encode_table(manifests, world_size: int, rows_per_page: int = ROWS_PER_PAGE)
         digest, size, gen = _check_row(r, manifests[r])
         ROW.pack_into(out, r * ROW.size, digest, size, gen, 1)
     page = ROW.size * rows_per_page
-    pages = [bytes.fromhex(digest_bytes(bytes(out[i:i + page]))) for i in range(0, len(out), page)]
-    data = bytes(out)
-    return data, TableRef(bytes.fromhex(digest_bytes(data)), len(data), rows_per_page, pages)
+    index = b"".join(bytes.fromhex(digest_bytes(bytes(out[i:i + page]))) for i in range(0, len(out), page))
+    data = bytes(out) + index
+    return data, TableRef(bytes.fromhex(digest_bytes(data)), len(data), rows_per_page,
+                          bytes.fromhex(digest_bytes(index)))
 
 
 def decode_ref(raw, world_size: int) -> TableRef:
     """The marker's ``"table"`` field, validated against ``world_size``. Raises ``ValueError``."""
     if not isinstance(raw, list) or len(raw) != 4:
         raise ValueError(f"bad manifest table reference {raw!r:.80}")
-    digest, size, per, pages = raw
-    if not isinstance(digest, bytes) or len(digest) != 32 or isinstance(size, bool) or size != ROW.size * world_size:
-        raise ValueError(f"manifest table of {size!r} bytes for {world_size} ranks")
+    digest, size, per, index = raw
     if isinstance(per, bool) or not isinstance(per, int) or not 1 <= per <= (1 << 20):
         raise ValueError(f"bad rows per page {per!r}")
-    if not isinstance(pages, list) or len(pages) != -(-world_size // per) \
-            or not all(isinstance(p, bytes) and len(p) == 32 for p in pages):
-        raise ValueError(f"bad page digests for {world_size} ranks at {per} rows a page")
-    return TableRef(digest, size, per, pages)
+    if not isinstance(digest, bytes) or len(digest) != 32 or not isinstance(index, bytes) or len(index) != 32:
+        raise ValueError("bad manifest table digests")
+    if isinstance(size, bool) or size != ROW.size * world_size + 32 * pages_of(world_size, per):
+        raise ValueError(f"manifest table of {size!r} bytes for {world_size} ranks at {per} rows a page")
+    return TableRef(digest, size, per, index)
 
 
 def parse_rows(data: bytes, first: int) -> Dict[int, Row]:
@@ -145,6 +151,7 @@ class ManifestTable(Mapping):
         self._rows: Dict[int, Row] = {}
         self._pages = set()
         self._local: Optional[Dict[int, Row]] = None
+        self._index: Optional[bytes] = None
         self.pages_read = 0                      # pages read from the storage (figures, tests)
 
     def bind(self, storage, directory: Optional[str] = None) -> "ManifestTable":
@@ -189,26 +196,34 @@ class ManifestTable(Mapping):
         raise CorruptCheckpointError(f"manifest table missing and no rows file holds rank {r}", step=self.step,
                                      blob=self.path)
 
-    def _read_page(self, p: int) -> None:
-        per, path = self.ref.rows_per_page, self.path
-        first = p * per
-        n = min(per, self.world_size - first) * ROW.size
+    def _read_checked(self, offset: int, n: int, want: bytes, what: str) -> bytes:
+        """``n`` bytes at ``offset`` of the table, checked against digest ``want``."""
+        path = self.path
 
         def once() -> bytes:
             try:
-                data = self.storage.read_range_bytes(path, first * ROW.size, n)
+                data = self.storage.read_range_bytes(path, offset, n)
             except FileNotFoundError:
                 raise
             except OSError as e:
                 raise CorruptCheckpointError(f"manifest table unreadable ({e.strerror or e})", step=self.step,
                                              blob=path) from None
             got = digest_bytes(data)
-            if len(data) != n or got != self.ref.pages[p].hex():
-                raise DamagedRead(f"page {p} of the manifest table does not match its commit marker "
+            if len(data) != n or got != want.hex():
+                raise DamagedRead(f"{what} of the manifest table does not match its commit marker "
                                   f"({len(data)} bytes, expected {n})", got=(len(data), got), step=self.step,
                                   blob=path)
             return data
-        data = read_verified(self.storage, path, once)
+        return read_verified(self.storage, path, once)
+
+    def _read_page(self, p: int) -> None:
+        per, path = self.ref.rows_per_page, self.path
+        first = p * per
+        if self._index is None:          # the pages' digests, once: 32 bytes a page, after the rows
+            self._index = self._read_checked(ROW.size * self.world_size, 32 * pages_of(self.world_size, per),
+                                             self.ref.index, "the index")
+        n = min(per, self.world_size - first) * ROW.size
+        data = self._read_checked(first * ROW.size, n, self._index[32 * p:32 * p + 32], f"page {p}")
         self.pages_read += 1
         try:
             rows = parse_rows(data, first)

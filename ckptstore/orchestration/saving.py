@@ -22,6 +22,7 @@ from ..util.errors import CheckpointError, CorruptCheckpointError
 from ..format.layout import blob_path, check_step, manifest_path, pack_path
 from ..lifecycle.lease import WriterOp, read_epoch
 from ..format.manifest import ArrayEntry, Commit, Manifest, ManifestNode, check_names, encode_commit_files
+from ..format.mtable import rows_here
 from .parts import Parts, quiet
 from ..format.pointers import point_away_from, point_to_if_newest
 from ..lifecycle.rewind import drop_local_after, must_truncate
@@ -395,7 +396,8 @@ class Saver:
             return 0
         try:
             commit = catalog.read_commit(step)
-            gen = max(g for _, _, g in commit.manifests.values()) + 1
+            # a table's rows this root holds (every row, or a leader's rows file): no O(N) read on every rank
+            gen = max(g for _, _, g in rows_here(commit.manifests).values()) + 1
         except CorruptCheckpointError:
             gen = 1                                   # a damaged marker: replaced all the same
         if self.p.rank == 0:           # routine for a re-save under another name (Lightning's last.ckpt)
@@ -437,8 +439,8 @@ class Saver:
         return True
 
     def _write_commit_marker(self, step: int, data: bytes, table: Optional[bytes] = None) -> None:
-        """Write the commit marker (its manifest table first, when it names one), then move the latest pointer. An ``OSError`` after which the marker is in
-        place with these bytes (e.g. ENOSPC / EIO from the directory fsync after the rename) means the step IS
+        """Write the commit marker (its manifest table first, when it names one), then move the latest pointer.
+        An ``OSError`` after which the marker is in place with these bytes (e.g. ENOSPC / EIO from the directory fsync after the rename) means the step IS
         committed, visible to every reader: the save must not report it as failed. The pointer is only a hint:
         a failure to move it is logged, not raised."""
         catalog = self.p.catalog

@@ -522,7 +522,8 @@ class StepCopier:
         if table is None:
             rows = {r: commit.manifests[r] for r, _, _ in manifests}
         else:
-            rows = {r: row for r, row in mtable.parse_rows(table, 0).items() if r in {q for q, _, _ in manifests}}
+            rows = {r: row for r, row in mtable.parse_rows(table[:mtable.ROW.size * commit.world_size], 0).items()
+                    if r in {q for q, _, _ in manifests}}
         return mtable.encode_rows(step, new.table.digest, rows)
 
     def _dst_metadata(self, step: int, commit_bytes: bytes, commit: Commit, manifests, ranged: Set[str],
@@ -538,7 +539,8 @@ class StepCopier:
         local_gens = {}
         try:
             if self.dst_catalog.is_committed(step):
-                local_gens = {r: g for r, (_, _, g) in self.dst_catalog.read_commit(step).manifests.items()}
+                here = mtable.rows_here(self.dst_catalog.read_commit(step).manifests)
+                local_gens = {r: g for r, (_, _, g) in here.items()}
         except CheckpointError:
             pass                                         # a damaged local marker names nothing worth keeping
         entries = dict(commit.manifests)

@@ -34,15 +34,16 @@ def test_a_reader_of_one_row_reads_one_page_and_checks_it():
     n = 5 * mtable.ROWS_PER_PAGE + 7
     assert n > mtable.INLINE_ROWS
     data, table = encode_commit_files(commit(n))
-    assert len(table) == n * mtable.ROW.size and len(data) < 4096           # 41 B a rank inline: 27 KB
+    pages = 6
+    assert len(table) == n * mtable.ROW.size + 32 * pages and len(data) < 1024     # 41 B a rank inline: 27 KB
     got = decode_commit(data, step=9, what="COMMIT")
     root = MemRoot({mtable.table_path(9, got.table.digest): table})
     got.manifests.bind(root)
     assert len(got.manifests) == n and 5 in got.manifests and n not in got.manifests and root.bytes_read == 0
     assert got.manifests[n - 1] == rows(n)[n - 1]
-    assert root.bytes_read == 7 * mtable.ROW.size                              # the last (short) page only
+    assert root.bytes_read == 32 * pages + 7 * mtable.ROW.size      # the index, the last (short) page only
     assert got.manifests[0] == rows(n)[0] and got.manifests[1] == rows(n)[1]
-    assert root.bytes_read == (7 + mtable.ROWS_PER_PAGE) * mtable.ROW.size
+    assert root.bytes_read == 32 * pages + (7 + mtable.ROWS_PER_PAGE) * mtable.ROW.size
     assert dict(got.manifests.items()) == rows(n)                              # tools read every page
     bad = bytearray(table)
     bad[mtable.ROWS_PER_PAGE * mtable.ROW.size + 3] ^= 1                      # page 1
@@ -51,6 +52,12 @@ def test_a_reader_of_one_row_reads_one_page_and_checks_it():
     assert again.manifests[0] == rows(n)[0]                                   # page 0 is whole
     with pytest.raises(CorruptCheckpointError, match="page 1 of the manifest table"):
         again.manifests[mtable.ROWS_PER_PAGE]
+    bad = bytearray(table)
+    bad[-1] ^= 1                                                               # the index
+    again = decode_commit(data, step=9, what="COMMIT")
+    again.manifests.bind(MemRoot({mtable.table_path(9, got.table.digest): bytes(bad)}))
+    with pytest.raises(CorruptCheckpointError, match="the index of the manifest table"):
+        again.manifests[0]
 
 
 def test_readers_from_before_the_table_refuse_its_marker_as_too_new(monkeypatch):
