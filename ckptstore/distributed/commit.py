@@ -300,8 +300,8 @@ def commit_across_ranks(coord: Coordinator, tag: str, step: int, *, manifest: Op
                 write_map(ref[2], built)
             else:                   # readers in this root then read every manifest (logged there)
                 log.warning("step %d: this root's shard map differs from rank 0's: not written", step)
-        if decoded.table is not None:
-            rows = message.get("rows") or []
+        rows = message.get("rows") or []
+        if decoded.table is not None and rows:
             write_rows(decoded.table.digest, {int(q): (d, int(sz), int(g)) for q, d, sz, g in rows})
         write_marker(data, None)
 
