@@ -28,25 +28,32 @@ import tracemalloc
 import harness as H  # noqa: E402  (puts the checkout and tests/ on sys.path)
 
 
-def rank0_only(n: int, shape: str) -> dict:
+def resume_figures(job, step: int) -> dict:
+    """The metadata a rank resuming ``step`` on N/2 ranks reads (marker + manifest table pages + shard map), the
+    largest over a few ranks (tests/simranks.py ``SimJob.resume_reads``)."""
+    got = [job.resume_reads(step, r, job.n // 2) for r in sorted({0, 1, job.n // 4, job.n // 2 - 1})]
+    worst = max(got, key=lambda g: g["total_B"])
+    return dict(resume_B=worst["total_B"], resume_rows_B=worst["rows_B"])
+
+
+def rank0_only(n: int, shape: str, roots: int = 0) -> dict:
     """Rank 0's side alone at ``n`` ranks (more simulated ranks than this machine has sockets for): the other
     ranks' parts (computed as in tests/simranks.py) are put in the store by one client, then rank 0 runs the
     save's commit code and broadcasts its verdict; nobody reads it (its keys stay: not counted)."""
     import msgpack
     import torch.distributed as dist
-    from ckptstore.distributed.collective import StoreCoordinator
-    from ckptstore.distributed.commit import commit_across_ranks
-    from simranks import SimJob, llama_manifest, _blob
+    from ckptstore.distributed.commit import commit_across_ranks, root_identity
+    from simranks import CountingCoordinator, SimJob, llama_manifest, _blob
 
     server = dist.TCPStore("127.0.0.1", 0, 1, True, use_libuv=True, wait_for_workers=False)
     job = SimJob.__new__(SimJob)                       # only its part arithmetic: no connection per rank
-    job.n, job.shape, job.ranks_per_root, job.full, job.sample, job.files = n, shape, 0, False, 8, {}
+    job.n, job.shape, job.ranks_per_root, job.full, job.sample, job.files = n, shape, roots, False, 8, {}
     import numpy as np
     job.grid = np.arange(n, dtype="<i4").tobytes()
-    job.roots = ["/shared"] * n
+    job.roots = [job.root_of(r) for r in range(n)]
     job._parts = {}
     job.precompute(1)
-    coord = StoreCoordinator(0, n, kv_store=server, instance=0)
+    coord = CountingCoordinator(0, n, kv_store=server, instance=0)
     tag = coord.next_tag("save/1")
     keys = [f"ckptstore/0/{tag}/parts/p/{r}" for r in range(1, n)]
     vals = [msgpack.packb(job._parts[r], use_bin_type=True) for r in range(1, n)]
@@ -54,32 +61,35 @@ def rank0_only(n: int, shape: str) -> dict:
         server.multi_set(keys[lo:lo + 1000], vals[lo:lo + 1000])
     del vals
     m = llama_manifest(shape, 0, n, job.grid, 1)
-    new_commit, write_marker, write_map = job._writers(0, 1)
+    new_commit, write_marker, write_map, write_rows = job._writers(0, 1)
     gc.collect()
     tracemalloc.start()
     t = time.perf_counter()
     ok = commit_across_ranks(coord, tag, 1, manifest=m, own_digest=(_blob("m")[:32].encode(), 4096, 0),
-                             bytes_total=m.bytes_total, error=None, where=b"shared", timeout=60,
-                             new_commit=new_commit, write_marker=write_marker, write_map=write_map, gen=0,
-                             adopt_run_id=lambda rid: None)
+                             bytes_total=m.bytes_total, error=None,
+                             where=root_identity(None) + job.roots[0].encode(), timeout=60,
+                             new_commit=new_commit, write_marker=write_marker, write_map=write_map,
+                             write_rows=write_rows, gen=0, adopt_run_id=lambda rid: None)
     secs = time.perf_counter() - t
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    root = job.files["/shared"]
-    return dict(n=n, shape=shape, rank0_only=True, committed=ok, rank0_s=round(secs, 3),
+    root = job.files[job.roots[0]]
+    return dict(n=n, shape=shape, roots=roots, rank0_only=True, committed=ok, rank0_s=round(secs, 3),
                 rank0_gathered_B=coord.bytes_received, peak_alloc_MB=round(peak / 2**20, 1),
                 largest_value_B=max(len(v) for v in [msgpack.packb(job._parts[1], use_bin_type=True)]),
-                map_B=len(root["1/shards"]), marker_B=len(root["1/COMMIT"]))
+                rx_leader_B=coord.largest_lead + 39 if roots else 0,      # its message + the verdict (39 B)
+                map_B=len(root["1/shards"]), marker_B=len(root["1/COMMIT"]), **resume_figures(job, 1))
 
 
 COLUMNS = [("all ranks s", "all_done_s"), ("rank sends / receives B", None), ("rank 0 gathers B", "rank0_gathered_B"),
            ("rank 0 peak alloc MB", "peak_alloc_MB"), ("largest value B", "largest_value_B"), ("keys left", "keys_left"),
-           ("shard map B", "map_B"), ("commit marker B", "marker_B")]
+           ("shard map B", "map_B"), ("commit marker B", "marker_B"), ("leader receives B", "rx_leader_B"),
+           ("resume on N/2 reads B", "resume_B")]
 
 
 def main() -> None:
     ap = H.parser(__doc__.splitlines()[0], repeat=None, scratch=False, seed=False)
-    ap.add_argument("--n", type=int, nargs="+", default=[64, 256, 1024, 4096, 10000])
+    ap.add_argument("--n", type=int, nargs="*", default=[64, 256, 1024, 4096, 10000])
     ap.add_argument("--shape", default="7b", choices=["7b", "70b", "tiny"])
     ap.add_argument("--roots", type=int, default=0, help="ranks per node-local root (0: one shared root)")
     ap.add_argument("--saves", type=int, default=2, help="saves per N (the figures are the last one's)")
@@ -120,14 +130,15 @@ def main() -> None:
                        peak_alloc_MB=round(peak / 2**20, 1),
                        largest_value_B=max(c.largest_value for c in job.coords),
                        keys_left=job.keys() - before, map_B=len(root.get(f"{a.saves}/shards", b"")),
-                       marker_B=len(root[f"{a.saves}/COMMIT"]), setup_s=round(setup, 1))
+                       marker_B=len(root[f"{a.saves}/COMMIT"]), setup_s=round(setup, 1),
+                       **resume_figures(job, a.saves))
         finally:
             job.close()
         rows.append(row)
         res.add(f"{n}", row["rank0_s"], **row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     for n in a.rank0_only:
-        row = rank0_only(n, a.shape)
+        row = rank0_only(n, a.shape, a.roots)
         res.add(f"{n} (rank 0 alone)", row["rank0_s"], **row)
         print(json.dumps(row), file=sys.stderr, flush=True)
 

@@ -29,7 +29,10 @@ import torch.distributed as dist
 from ckptstore.format import shardmap
 from ckptstore.distributed.collective import StoreCoordinator
 from ckptstore.distributed.commit import agree_commit, commit_across_ranks, make_part, root_identity
-from ckptstore.format.manifest import ArrayEntry, ChunkRef, Commit, Manifest, ManifestNode
+from ckptstore.format.blobs import digest_bytes
+from ckptstore.format.layout import table_path
+from ckptstore.format.manifest import ArrayEntry, ChunkRef, Commit, Manifest, ManifestNode, decode_commit
+from ckptstore.format.mtable import encode_rows
 from ckptstore.state.sharding import ShardInfo
 
 # (layers, hidden, kv dim, ffn, vocab): the shapes of Llama-2 7B and Llama-2 70B (grouped-query attention)
@@ -101,10 +104,40 @@ class CountingCoordinator(StoreCoordinator):
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         self.largest_value = 0
+        self.largest_lead = 0                 # the largest message to a leader (bytes)
 
     def _set(self, key, data):
         self.largest_value = max(self.largest_value, len(data))
+        if "/lead" in key:
+            self.largest_lead = max(self.largest_lead, len(data))
         super()._set(key, data)
+
+
+class MemRoot:
+    """A root held in memory (``SimJob.files[root]``), read through the storage calls a commit marker's manifest
+    table is read with (:class:`ckptstore.format.mtable.ManifestTable`); counts the bytes read."""
+
+    def __init__(self, files: Dict[str, bytes]):
+        self.files, self.bytes_read = files, 0
+
+    def read_range_bytes(self, path: str, offset: int, length: int) -> bytes:
+        if path not in self.files:
+            raise FileNotFoundError(path)
+        out = self.files[path][offset:offset + length]
+        self.bytes_read += len(out)
+        return out
+
+    def read_bytes(self, path: str, limit: Optional[int] = None) -> bytes:
+        return self.read_range_bytes(path, 0, len(self.files.get(path, b"")) if limit is None else limit)
+
+    def exists(self, path: str) -> bool:
+        return path in self.files
+
+    def listdir(self, path: str) -> List[str]:
+        return sorted({k[len(path) + 1:].split("/")[0] for k in self.files if k.startswith(path + "/")})
+
+    def local_path(self, path: str) -> Optional[str]:
+        return path
 
 
 @dataclass
@@ -172,14 +205,19 @@ class SimJob:
             return Commit(step=step, world_size=self.n, manifests=manifests, created=time.time(),
                           bytes_total=total, run_id="sim")
 
-        def write_marker(data):
+        def write_marker(data, table=None):
+            if table is not None:                   # before the marker, as Store.save writes it
+                root[table_path(step, bytes.fromhex(digest_bytes(table)))] = table
             root[f"{step}/COMMIT"] = data
 
+        def write_rows(digest, rows):
+            path, data = encode_rows(step, digest, rows)
+            root[path] = data
+
         def write_map(gen, data):
-            from ckptstore.format.blobs import digest_bytes
             root[f"{step}/shards"] = data
             return bytes.fromhex(digest_bytes(data)), len(data), gen
-        return new_commit, write_marker, write_map
+        return new_commit, write_marker, write_map, write_rows
 
     def part_of(self, r: int, step: int, error: Optional[BaseException] = None) -> Dict[str, Any]:
         """The part rank ``r`` sends (computed from its manifest when ``full`` or sampled)."""
@@ -195,7 +233,7 @@ class SimJob:
         coord = self.coords[r]
         tag = coord.next_tag(f"save/{step}")
         rx, tx = coord.bytes_received, coord.bytes_sent
-        new_commit, write_marker, write_map = self._writers(r, step)
+        new_commit, write_marker, write_map, write_rows = self._writers(r, step)
         m = llama_manifest(self.shape, r, self.n, self.grid, step) if r == 0 or self.full else None
         if ready is not None:               # every rank has its manifest: the deadlines start together
             ready.wait()
@@ -207,12 +245,15 @@ class SimJob:
                         _blob("manifest", r, step)[:32].encode(), 4096 + r, 0),
                     bytes_total=m.bytes_total, error=error, where=root_identity(None) + self.roots[r].encode(),
                     timeout=timeout, new_commit=new_commit, write_marker=write_marker, write_map=write_map,
-                    gen=0, adopt_run_id=lambda rid: None)
+                    write_rows=write_rows, gen=0, adopt_run_id=lambda rid: None)
             else:
                 part = (make_part(None, 0, error, root_identity(None) + self.roots[r].encode()) if error
                         else self._parts.get(r) or self.part_of(r, step))
 
                 def write_copy(message):
+                    if message.get("rows"):             # a marker naming a table: this root's rows
+                        table = decode_commit(message["commit"], step=step, what="COMMIT").table
+                        write_rows(table.digest, {q: (d, s, g) for q, d, s, g in message["rows"]})
                     write_marker(message["commit"])
                 out.wrote_marker = agree_commit(coord, tag, step, part, timeout=timeout,
                                                 write_commit=None, write_copy=write_copy)
@@ -222,6 +263,31 @@ class SimJob:
         out.finished = time.perf_counter()
         out.seconds = out.finished - t0
         out.received, out.sent = coord.bytes_received - rx, coord.bytes_sent - tx
+
+    def resume_reads(self, step: int, rank: int, world: int, root: Optional[str] = None) -> Dict[str, int]:
+        """The metadata rank ``rank`` of a job of ``world`` ranks reads to resume ``step`` (from ``root``, default
+        rank 0's, which holds what the remote does): the commit marker, the shard map, and the manifest rows of
+        rank 0 (plain values) and of the saved ranks whose shards overlap its own (through the map), by page.
+        Bytes of each, and how many saved ranks it reads."""
+        from torch.distributed.tensor import Shard
+        from ckptstore.format.shardmap import ShardMap
+        files = MemRoot(self.files[root or self.roots[0]])
+        marker = files.files[f"{step}/COMMIT"]
+        commit = decode_commit(marker, step=step, what="COMMIT")
+        if commit.table is not None:
+            commit.manifests.bind(files)
+        smap_bytes = files.files[f"{step}/shards"]
+        smap = ShardMap.decode(smap_bytes, step=step, world_size=self.n, what="shards")
+        need = {0}
+        for name, g in llama_params(self.shape):
+            sz, off = (int(x) for x in Shard.local_shard_size_and_offset(g[0], world, rank))
+            if sz:
+                box = ((off,) + (0,) * (len(g) - 1), (sz,) + tuple(g[1:]))
+                need |= set(smap.ranks(("model", name), tuple(g), box, prefer=rank))
+        for q in sorted(need):
+            commit.manifests[q]
+        return {"marker_B": len(marker), "map_B": len(smap_bytes), "rows_B": files.bytes_read,
+                "ranks": len(need), "total_B": len(marker) + len(smap_bytes) + files.bytes_read}
 
     def precompute(self, step: int) -> None:
         """Without ``full``: compute the parts of a sample of ranks from real manifests (checked alike in layout)

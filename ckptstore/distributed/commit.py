@@ -11,15 +11,18 @@ Protocol for one ``save`` under ``torch.distributed`` (``tag`` is the save's key
    manifest table). If every part is ok, it settles the save as ``"commit"`` (an atomic first-writer-wins
    decision in the key-value store), writes the shard map, then the commit marker into its root and moves its
    latest pointer; otherwise it settles ``"abort"``. It leaves each *leader* (the lowest rank of every other
-   root: node-local disks) a message with the commit marker's bytes and what it needs to build the same shard
-   map, then broadcasts the verdict, the same small message to every rank (< 1 KB: committed or not, at most
+   root: node-local disks) a message with the commit marker's bytes, what it needs to build the same shard
+   map and, when the marker names a manifest table (:mod:`ckptstore.format.mtable`, more than 512 ranks), the
+   manifest rows of that root's ranks only (issue 29: it was the whole marker, 41 bytes a rank), then
+   broadcasts the verdict, the same small message to every rank (< 1 KB: committed or not, at most
    :data:`MAX_LISTED` failing ranks with their errors and how many more, the run id).
 3. A rank whose verdict does not come within the deadline (plus a slack: rank 0 may have started later) tries
    to settle the save as aborted by itself. If rank 0 settled first (commit or abort), the rank waits for the
    verdict after all (it is coming); otherwise the save is aborted and rank 0, settling later, finds ``"abort"``
    and does not commit. So no rank ever reports a failure for a step that gets committed, or success for one
    that does not.
-4. After the verdict, a leader takes its message and writes the shard map and the marker into its own root.
+4. After the verdict, a leader takes its message and writes the shard map, its root's rows (a rows file, when the
+   marker names a table) and the marker into its own root.
    Nothing the agreement put in the key-value store outlives it (:mod:`ckptstore.distributed.collective`).
 
 Every rank raises the same :class:`CommitError` (naming the failing ranks and their errors) when the step was
@@ -39,7 +42,7 @@ from ..format import shardmap
 from ..format.blobs import digest_bytes
 from .collective import CollectiveTimeout, Coordinator
 from ..util.errors import CheckpointError
-from ..format.manifest import Commit, Manifest, decode_commit, encode_commit
+from ..format.manifest import Commit, Manifest, decode_commit, encode_commit_files
 
 log = logging.getLogger("ckptstore")
 
@@ -97,6 +100,7 @@ class _Fold:
         self.bytes = 0
         self.own: Optional[bytes] = None
         self.first: Dict[bytes, int] = {}
+        self.roots: Dict[bytes, List[int]] = {}     # root -> its ranks (a leader gets their manifest rows)
 
     def fail(self, r, msg: str) -> None:
         self.nfail += 1
@@ -121,6 +125,13 @@ class _Fold:
         if r == 0:
             self.own = where
         self.first.setdefault(where, r)
+        self.roots.setdefault(where, []).append(r)
+
+    def rows_of(self, leader: int, where: Optional[bytes] = None) -> List[List[Any]]:
+        """The manifest rows ``[rank, digest, size, generation]`` of the ranks sharing ``leader``'s root."""
+        if where is None:
+            where = next(w for w, r in self.first.items() if r == leader)
+        return [[q, *self.manifests[q]] for q in self.roots[where]]
 
     def leaders(self) -> List[int]:
         """The lowest rank of each root other than rank 0's (those roots need their own commit marker)."""
@@ -165,8 +176,12 @@ def agree_commit(coord: Coordinator, tag: str, step: int, part: Dict[str, Any], 
                    "more": max(0, fold.nfail - len(listed)), "run_id": run_id}
         try:
             if not fold.nfail:
+                table = extra.pop("table", False)
+                by_leader = {r: w for w, r in fold.first.items()}
                 for r in fold.leaders():            # before the verdict: a leader looks once it has it
-                    coord.send_to(f"{tag}/lead", r, {"commit": marker, **extra})
+                    # a marker naming a manifest table: the leader gets its own root's rows, not the table
+                    rows = {"rows": fold.rows_of(r, by_leader[r])} if table else {}
+                    coord.send_to(f"{tag}/lead", r, {"commit": marker, **extra, **rows})
             coord.broadcast(f"{tag}/verdict", verdict, timeout, drop=[f"{tag}/decision"])
         except Exception as e:
             if fold.nfail:
@@ -224,14 +239,17 @@ def _rank(k: str):
 def commit_across_ranks(coord: Coordinator, tag: str, step: int, *, manifest: Optional[Manifest], own_digest,
                         bytes_total: int, error: Optional[BaseException], where: bytes, timeout: float,
                         new_commit: Callable[[Dict[int, Tuple[bytes, int, int]], int], Commit],
-                        write_marker: Callable[[bytes], None],
+                        write_marker: Callable[[bytes, Optional[bytes]], None],
+                        write_rows: Callable[[bytes, Dict[int, Tuple[bytes, int, int]]], None],
                         write_map: Callable[[int, bytes], Tuple[bytes, int, int]], gen: int,
                         adopt_run_id: Callable[[str], None]) -> bool:
     """One rank's side of a collective save (what ``Store.save`` runs after writing its manifest): its part
     (with the shard map's inputs from ``manifest``, this rank's, ``None`` when it failed before having one),
     :func:`agree_commit`, and on rank 0 / a leader the shard map and commit marker through ``write_map(gen,
-    bytes) -> ref`` and ``write_marker(bytes)``; ``new_commit(manifest table, bytes total)`` makes the marker's
-    contents. Returns whether this rank wrote a commit marker. Raises :class:`CommitError` (from ``error``)."""
+    bytes) -> ref`` and ``write_marker(bytes, table bytes or None)`` (the manifest table of a marker of more than
+    ``mtable.INLINE_ROWS`` ranks, written before the marker); a leader writes its root's manifest rows through
+    ``write_rows(table digest, rows)`` before the marker; ``new_commit(manifest table, bytes total)`` makes the
+    marker's contents. Returns whether this rank wrote a commit marker. Raises :class:`CommitError` (from ``error``)."""
     extra: Dict[str, Any] = {}
     groups: List[Any] = []
     if manifest is not None:
@@ -264,13 +282,16 @@ def commit_across_ranks(coord: Coordinator, tag: str, step: int, *, manifest: Op
             log.warning("step %d: the ranks' DTensor layouts differ or do not follow torch's sharding rule "
                         "(e.g. uneven _StridedShard placements): no shard map, a resume on another world size reads "
                         "every rank's manifest", step)
-        data = encode_commit(commit)
-        write_marker(data)
+        data, table = encode_commit_files(commit)
+        write_marker(data, table)
+        if table is not None:
+            lead["table"] = True
         return data, lead
 
     def write_copy(message):
         data = message["commit"]
-        ref = decode_commit(data, step=step, what="commit verdict").shards
+        decoded = decode_commit(data, step=step, what="commit verdict")
+        ref = decoded.shards
         if ref is not None and manifest is not None and "rank_local" in message:
             rl = message["rank_local"]
             built = shardmap.build_rule(step, coord.world_size, manifest,
@@ -279,7 +300,10 @@ def commit_across_ranks(coord: Coordinator, tag: str, step: int, *, manifest: Op
                 write_map(ref[2], built)
             else:                   # readers in this root then read every manifest (logged there)
                 log.warning("step %d: this root's shard map differs from rank 0's: not written", step)
-        write_marker(data)
+        rows = message.get("rows") or []
+        if decoded.table is not None and rows:
+            write_rows(decoded.table.digest, {int(q): (d, int(sz), int(g)) for q, d, sz, g in rows})
+        write_marker(data, None)
 
     def adopt(verdict):                               # rank 0's run id, on every rank, from the first commit
         if verdict.get("run_id"):

@@ -16,8 +16,9 @@ from .blobs import digest_bytes, read_verified
 from ..util.errors import CorruptCheckpointError, DamagedRead, IncompatibleCheckpointError
 from ..state.flatten import gc_paused
 from .layout import STEPS, commit_path, manifest_path, parse_step_dir, shards_path, step_dir
-from .manifest import (MAX_COMMIT_BYTES, Commit, Manifest, decode_commit, decode_manifest, encode_commit,
+from .manifest import (MAX_COMMIT_BYTES, Commit, Manifest, decode_commit, decode_manifest, encode_commit_files,
                        encode_manifest)
+from . import mtable
 from .shardmap import MAX_SHARD_MAP_BYTES, ShardMap
 
 log = logging.getLogger("ckptstore")
@@ -118,7 +119,10 @@ class Catalog:
                 raise DamagedRead(f"commit marker larger than {MAX_COMMIT_BYTES} bytes", got=got, step=step,
                                   blob=path)
             try:
-                return data, decode_commit(data, step=step, what=path)
+                commit = decode_commit(data, step=step, what=path)
+                if isinstance(commit.manifests, mtable.ManifestTable):
+                    commit.manifests.bind(self.storage)        # rows read by range, page by page, when asked
+                return data, commit
             except IncompatibleCheckpointError as e:  # a newer format, or a flipped byte in the format field
                 raise DamagedRead(str(e), got=got, step=step, blob=path, final=e) from None
             except CorruptCheckpointError as e:
@@ -175,6 +179,13 @@ class Catalog:
             return data
         return read_verified(self.storage, path, once)
 
+    def read_table_bytes(self, commit: Commit) -> bytes:
+        """The whole manifest table ``commit`` names (``commit.table`` must be set), checked against its digest
+        and size: one bounded read (a copy of the whole step). Raises ``CorruptCheckpointError``."""
+        ref = commit.table
+        return self._read_named(commit.manifests.path, "manifest table", ref.digest, ref.size, ref.size + 1,
+                                commit.step)
+
     def read_shard_map(self, commit: Commit) -> ShardMap:
         """The decoded shard map of ``commit`` (see :mod:`ckptstore.format.shardmap`). Raises
         ``CorruptCheckpointError``."""
@@ -202,8 +213,21 @@ class Catalog:
         return bytes.fromhex(digest_bytes(data)), len(data), gen
 
     def write_commit(self, commit: Commit) -> None:
-        """Write the commit marker: from this moment the step is visible."""
-        self.storage.write_atomic(commit_path(commit.step), encode_commit(commit))
+        """Write the commit marker (its manifest table first, when it names one): from this moment the step is
+        visible."""
+        data, table = encode_commit_files(commit)
+        mtable.write_files(self.storage, commit.step, table)
+        self.storage.write_atomic(commit_path(commit.step), data)
+
+    def write_table(self, step: int, table: Optional[bytes]) -> None:
+        """Write a manifest table (before the marker naming it); ``None``: nothing to write."""
+        mtable.write_files(self.storage, step, table)
+
+    def write_rows(self, step: int, digest: bytes, rows) -> None:
+        """Write a rows file: ``rows`` (rank -> (digest, size, generation)) of the table ``digest`` names, into
+        a root holding those ranks' parts but not the table (before the marker)."""
+        path, data = mtable.encode_rows(step, digest, rows)
+        self.storage.write_atomic(path, data)
 
     def write_commit_bytes(self, step: int, data: bytes) -> None:
         """Write a commit marker given as bytes (rank 0's, copied into another rank's root); checked first."""

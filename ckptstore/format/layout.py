@@ -11,6 +11,8 @@ Layout (format version 2; version 1 is the same without ``packs/`` and manifest 
     packs/<id[:2]>/<id>.pack       pack: many small chunks back to back (id = BLAKE3-256 hex of the whole file)
     steps/<step:012d>/manifest-rank<rank:05d>.msgpack          generation 0
     steps/<step:012d>/manifest-rank<rank:05d>.g<gen>.msgpack   generation gen > 0 (rewritten by a repack)
+    steps/<step:012d>/manifests-<tag>.tbl              manifest table of a step of > 512 ranks (mtable.py)
+    steps/<step:012d>/rows-<tag>.r<rank:05d>.msgpack   some ranks' rows of it, in a root without the table
     steps/<step:012d>/COMMIT       commit marker, written last: makes the step visible
     steps/<step:012d>.aside-<tag>/ a committed step set aside by a resume from an older step (ASIDE + its files)
     latest                         latest pointer (JSON), names the newest committed step
@@ -131,6 +133,34 @@ def parse_shards_name(name: str):
     """``'shards.g2.msgpack'`` -> 2, ``'shards.msgpack'`` -> 0; anything else -> ``None``."""
     m = re.match(r"^shards(?:\.g([1-9][0-9]{0,8}))?\.msgpack$", name)
     return int(m.group(1) or 0) if m else None
+
+
+def table_tag(digest: bytes) -> str:
+    """The name tag of a manifest table and its rows files: the first 16 hex digits of the table's digest (the
+    files are named by their contents, so a re-saved, repacked or pulled step's new table never replaces the
+    one an older marker names)."""
+    if not isinstance(digest, bytes) or len(digest) != 32:
+        raise ValueError(f"invalid manifest table digest {digest!r:.80}")
+    return digest.hex()[:16]
+
+
+def table_path(step: int, digest: bytes) -> str:
+    """Path of a step's manifest table (FORMAT.md "Manifest table"): ``steps/<step>/manifests-<tag>.tbl``."""
+    return f"{step_dir(step)}/manifests-{table_tag(digest)}.tbl"
+
+
+def rows_path(step: int, digest: bytes, first: int) -> str:
+    """Path of a rows file: the rows of some ranks of the table ``digest`` names (``first``: the lowest of
+    them), written into a root that holds those ranks' parts but not the table (a leader's, a pull's)."""
+    if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first < 100000:
+        raise ValueError(f"invalid rank {first!r}")
+    return f"{step_dir(step)}/rows-{table_tag(digest)}.r{first:05d}.msgpack"
+
+
+def parse_table_name(name: str):
+    """``'manifests-<tag>.tbl'`` / ``'rows-<tag>.r<rank>.msgpack'`` -> the tag; anything else -> ``None``."""
+    m = re.match(r"^(?:manifests-([0-9a-f]{16})\.tbl|rows-([0-9a-f]{16})\.r[0-9]{5}\.msgpack)$", name)
+    return (m.group(1) or m.group(2)) if m else None
 
 
 ASIDE_NAME = "ASIDE"                     # the record a set-aside step directory is written with first

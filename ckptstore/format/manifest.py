@@ -28,6 +28,8 @@ Commit body (one per step, written last)::
 
     {"step": int, "world_size": int, "created": float (unix seconds), "bytes_total": int,
      "manifests": [[rank, blake3 of the manifest file (32 bytes), size in bytes(, generation)], ...],
+     | "table": [blake3 of the table file, its size, rows per page, [blake3 of each page, ...]],
+                                            # format 3, world_size > INLINE_ROWS: see ckptstore.format.mtable
      "metrics": {str: plain value}, "config": {str: plain value} | nil, "writer": "ckptstore <version>",
      "run_id": str (optional), "best": {"metric": str, "mode": "min"|"max"} (optional)}
 """
@@ -36,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import msgpack
 import numpy as np
@@ -45,10 +47,14 @@ import torch
 from .blobs import CODECS, digest_bytes
 from ..util.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from .layout import check_blob_id, check_step
+from . import mtable
 from ..state.sharding import ShardInfo
 from ..state.flatten import TORCH_DTYPES, KeyPath, path_str
 
 FORMAT_VERSION = 2            # written by this library; 1 and 2 are read (see FORMAT.md)
+#: a commit marker naming a manifest table, and a rows file, are written as format 3 (so that readers from
+#: before the table refuse them as too new rather than misread them); nothing else is
+READ_FORMATS = {"commit": mtable.TABLE_FORMAT, "rows": mtable.TABLE_FORMAT}
 MAX_CHUNK_BYTES = 1 << 40
 MAX_COMMIT_BYTES = 64 << 20     # ~60 bytes per rank: room for a million ranks; read with this bound
 MAGIC = "ckptstore"
@@ -153,7 +159,9 @@ class Manifest:
 class Commit:
     step: int
     world_size: int
-    manifests: Dict[int, Tuple[bytes, int, int]]  # rank -> (blake3 digest, size in bytes, generation)
+    #: rank -> (blake3 digest, size in bytes, generation): a dict, or a lazy
+    #: :class:`~ckptstore.format.mtable.ManifestTable` for a marker naming a manifest table
+    manifests: Mapping[int, Tuple[bytes, int, int]]
     created: float
     bytes_total: int
     metrics: Dict[str, Any] = field(default_factory=dict)
@@ -168,6 +176,11 @@ class Commit:
         """A copy with ``changes`` (field name -> value) and every other field as in ``self``: the one way a
         commit marker is derived from another (repack, a ranged pull), as :meth:`Manifest.replace`."""
         return dataclasses.replace(self, **changes)
+
+    @property
+    def table(self) -> Optional["mtable.TableRef"]:
+        """The manifest table the marker names (format 3), else ``None`` (the rows are inline)."""
+        return self.manifests.ref if isinstance(self.manifests, mtable.ManifestTable) else None
 
 
 # -- framing ------------------------------------------------------------------------------------------------
@@ -196,9 +209,9 @@ def unframe(data: bytes, kind: str, *, what: str, step: Optional[int] = None) ->
     fmt = outer.get("format")
     if not isinstance(fmt, int) or isinstance(fmt, bool) or fmt < 1:
         raise corrupt(f"bad format version {fmt!r}")
-    if fmt > FORMAT_VERSION:
+    if fmt > READ_FORMATS.get(kind, FORMAT_VERSION):
         raise IncompatibleCheckpointError(f"{what} has format version {fmt}; this ckptstore reads up to "
-                                          f"{FORMAT_VERSION}: upgrade ckptstore", step=step)
+                                          f"{READ_FORMATS.get(kind, FORMAT_VERSION)}: upgrade ckptstore", step=step)
     body, checksum = outer.get("body"), outer.get("blake3")
     if not isinstance(body, bytes) or not isinstance(checksum, bytes):
         raise corrupt("missing body or checksum")
@@ -492,19 +505,33 @@ def _check_array_sanity(kind: str, entry: "ArrayEntry", where: str) -> None:
 # -- commit marker ------------------------------------------------------------------------------------------
 def encode_commit(c: Commit) -> bytes:
     """The commit marker's bytes. Raises ``ValueError`` when they would exceed ``MAX_COMMIT_BYTES`` (a reader
-    never reads more: metrics and config are meant to be small)."""
+    never reads more: metrics and config are meant to be small). A marker of more than
+    :data:`mtable.INLINE_ROWS <ckptstore.format.mtable.INLINE_ROWS>` ranks names a manifest table, which
+    :func:`encode_commit_files` gives too: whoever writes the marker writes the table first."""
+    return encode_commit_files(c)[0]
+
+
+def encode_commit_files(c: Commit) -> Tuple[bytes, Optional[bytes]]:
+    """``(marker bytes, table bytes or None)``: the table when ``c`` has more than ``mtable.INLINE_ROWS`` ranks
+    (format 3), else ``None`` and the marker as before (format 2, the manifest rows inline)."""
+    table = None
+    if len(c.manifests) > mtable.INLINE_ROWS:
+        table, ref = mtable.encode_table(c.manifests, c.world_size)
+        rows: Dict[str, Any] = {"table": ref.encode()}
+    else:
+        rows = {"manifests": [[r, d, s] + ([g] if g else []) for r, (d, s, g) in sorted(c.manifests.items())]}
     data = frame("commit", {"step": c.step, "world_size": c.world_size, "created": c.created,
-                            "bytes_total": c.bytes_total,
-                            "manifests": [[r, d, s] + ([g] if g else []) for r, (d, s, g) in sorted(c.manifests.items())],
+                            "bytes_total": c.bytes_total, **rows,
                             "metrics": c.metrics, "config": c.config, "writer": c.writer,
                             **({"run_id": c.run_id} if c.run_id else {}),
                             **({"best": dict(c.best)} if c.best else {}),
                             **({"shards": list(c.shards)} if c.shards else {}),
-                            **({"names": sorted(c.names)} if c.names else {})})
+                            **({"names": sorted(c.names)} if c.names else {})},
+                 mtable.TABLE_FORMAT if table is not None else FORMAT_VERSION)
     if len(data) > MAX_COMMIT_BYTES:
         raise ValueError(f"step {c.step}: commit marker of {len(data)} bytes exceeds {MAX_COMMIT_BYTES} "
                          "(metrics and config must be small)")
-    return data
+    return data, table
 
 
 def decode_commit(data: bytes, *, step: int, what: str) -> Commit:
@@ -513,15 +540,20 @@ def decode_commit(data: bytes, *, step: int, what: str) -> Commit:
         if body.get("step") != step:
             raise ValueError(f"commit marker is for step {body.get('step')!r}")
         world_size = _int(body.get("world_size"), "world_size", 1, 1 << 20)
-        manifests = {}
-        lengths = (3, 4) if fmt >= 2 else (3,)
-        for m in body.get("manifests") or []:
-            if not isinstance(m, list) or len(m) not in lengths or not isinstance(m[1], bytes) or len(m[1]) != 32:
-                raise ValueError(f"bad manifest reference {m!r:.80}")
-            gen = _int(m[3], "manifest generation", 0, 10**9 - 1) if len(m) == 4 else 0
-            manifests[_int(m[0], "rank", 0, world_size - 1)] = (m[1], _int(m[2], "manifest size", 1), gen)
-        if sorted(manifests) != list(range(world_size)):
-            raise ValueError(f"commit names manifests of ranks {sorted(manifests)}, world_size is {world_size}")
+        manifests: Mapping[int, Tuple[bytes, int, int]] = {}
+        if fmt >= mtable.TABLE_FORMAT:
+            if "manifests" in body:
+                raise ValueError("a format-3 commit marker names its manifests in a table, not inline")
+            manifests = mtable.ManifestTable(step, world_size, mtable.decode_ref(body.get("table"), world_size))
+        else:
+            lengths = (3, 4) if fmt >= 2 else (3,)
+            for m in body.get("manifests") or []:
+                if not isinstance(m, list) or len(m) not in lengths or not isinstance(m[1], bytes) or len(m[1]) != 32:
+                    raise ValueError(f"bad manifest reference {m!r:.80}")
+                gen = _int(m[3], "manifest generation", 0, 10**9 - 1) if len(m) == 4 else 0
+                manifests[_int(m[0], "rank", 0, world_size - 1)] = (m[1], _int(m[2], "manifest size", 1), gen)
+            if sorted(manifests) != list(range(world_size)):
+                raise ValueError(f"commit names manifests of ranks {sorted(manifests)}, world_size is {world_size}")
         metrics = body.get("metrics") or {}
         config = body.get("config")
         if not isinstance(metrics, dict) or not (config is None or isinstance(config, dict)):

@@ -323,6 +323,10 @@ class RankLocalFold:
         return top_most([self.groups[i] for i in np.flatnonzero(self.differ)])
 
 
+def _is_arange(grid: bytes) -> bool:
+    return len(grid) % 4 == 0 and np.array_equal(np.frombuffer(grid, dtype="<i4"), np.arange(len(grid) // 4))
+
+
 def build_rule(step: int, world_size: int, m: Manifest, rank_local: Optional[List[KeyPath]]) -> bytes:
     """The map's bytes from this rank's manifest ``m`` (whose layout every rank shares: see :func:`layout`)
     and the rank-local paths rank 0 found. The same inputs give the same bytes on any rank."""
@@ -333,7 +337,9 @@ def build_rule(step: int, world_size: int, m: Manifest, rank_local: Optional[Lis
             info = n.payload.shard
             keys.append([key_hash(n.path), index[_mesh_key(info)], list(info.global_shape), list(info.mesh),
                          list(info.placements)])
-    meshes = [[list(shape), g] for shape, g in grids]
+    # a grid equal to arange over its shape (a mesh of ranks 0..n-1 in order: the common case) is written nil:
+    # the map's only O(N) part was 4 bytes a rank of it (issue 29)
+    meshes = [[list(shape), None if _is_arange(g) else g] for shape, g in grids]
     # rule 2: a mesh may list the slices of a sub-mesh (a leading slice dim); rule 1 readers cannot read that
     rule = 2 if any(len(shape) != len(info) for (shape, _), info in
                     zip((grids[k[1]] for k in keys), (k[3] for k in keys))) else 1
@@ -530,6 +536,8 @@ def _decode_rule(body: Dict[str, Any], world_size: int) -> _Rule:
                 or not all(isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= world_size for x in shape)):
             raise ValueError(f"bad mesh shape {shape!r:.80}")
         size = int(np.prod(shape))
+        if grid is None and size <= world_size:          # nil: ranks 0..size-1 in mesh order (issue 29)
+            grid = np.arange(size, dtype="<i4").tobytes()
         if not isinstance(grid, bytes) or size > world_size or len(grid) != 4 * size:
             raise ValueError(f"bad rank grid for mesh {shape}")
         ranks = np.frombuffer(grid, dtype="<i4")

@@ -27,8 +27,9 @@ from typing import Iterable, List, Optional, Set, Tuple
 
 from ..util.errors import CheckpointError
 from ..format.layout import (OBJECTS, PACKS, RETIRED, STEPS, check_blob_id, commit_path, manifest_path, pack_path,
-                     parse_blob_name, parse_manifest_name, parse_pack_name, parse_shards_name, shards_path,
-                     step_dir)
+                     parse_blob_name, parse_manifest_name, parse_pack_name, parse_shards_name, parse_table_name,
+                     shards_path, step_dir)
+from ..format.mtable import names_file, rows_here
 from .lease import Deleter
 from .rewind import aside_refs, asides
 
@@ -67,8 +68,9 @@ def referenced(catalog, committed: List[int], report: GCReport):
     for step in committed:
         try:
             commit = catalog.read_commit(step)
-            for rank in sorted(commit.manifests):
-                if not catalog.storage.exists(manifest_path(step, rank, commit.manifests[rank][2])):
+            rows = rows_here(commit.manifests)        # a table's rows: those this root can name
+            for rank in sorted(rows):
+                if not catalog.storage.exists(manifest_path(step, rank, rows[rank][2])):
                     continue
                 m = catalog.read_manifest(commit, rank)
                 live |= m.blob_ids()
@@ -183,12 +185,16 @@ def _collect(storage, catalog, blobs, report, deleter, grace_seconds, force, kee
                 commit = catalog.read_commit(step)
             except CheckpointError:
                 continue
-            named = {manifest_path(step, r, g) for r, (_, _, g) in commit.manifests.items()}
+            try:
+                named = {manifest_path(step, r, g) for r, (_, _, g) in rows_here(commit.manifests).items()}
+            except CheckpointError:
+                continue
             if commit.shards is not None:
                 named.add(shards_path(step, commit.shards[2]))
             for name in storage.listdir(sd):
                 path = f"{sd}/{name}"
-                replaced = parse_manifest_name(name) is not None or parse_shards_name(name) is not None
+                replaced = parse_manifest_name(name) is not None or parse_shards_name(name) is not None \
+                    or (parse_table_name(name) is not None and not names_file(commit, name))
                 if ((replaced and path not in named) or ".tmp-" in name) \
                         and old(path) and not storage.is_link(path):
                     report.manifests_removed += ".tmp-" not in name

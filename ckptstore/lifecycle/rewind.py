@@ -25,6 +25,7 @@ from ..util.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from ..format.layout import (ASIDE_NAME, COMMIT_NAME, STEPS, aside_dir, commit_path, manifest_path, parse_aside_dir,
                      shards_path, step_dir)
 from ..format.manifest import MAX_COMMIT_BYTES, decode_commit, decode_manifest
+from ..format.mtable import MAX_ROWS_FILE_BYTES, names_file, rows_here
 
 log = logging.getLogger("ckptstore")
 
@@ -119,10 +120,15 @@ def set_aside(storage, step: int, resumed: Optional[int], *, remove_rest: bool =
     if marker is not None and len(marker) <= MAX_COMMIT_BYTES:
         try:
             commit = decode_commit(marker, step=step, what=what)
-            for rank, (_, size, gen) in commit.manifests.items():
-                named[manifest_path(step, rank, gen).rsplit("/", 1)[1]] = size
             if commit.shards is not None:
                 named[shards_path(step, commit.shards[2]).rsplit("/", 1)[1]] = commit.shards[1]
+            if commit.table is not None:             # its manifest table or rows files (FORMAT.md "Manifest table")
+                for name in storage.listdir(sd):
+                    if names_file(commit, name):
+                        named[name] = commit.table.size if name.endswith(".tbl") else MAX_ROWS_FILE_BYTES
+            for rank, (_, size, gen) in rows_here(commit.manifests.bind(storage) if commit.table else
+                                                  commit.manifests).items():
+                named[manifest_path(step, rank, gen).rsplit("/", 1)[1]] = size
         except CorruptCheckpointError:
             pass                                    # a damaged marker: it is kept, the files it names are not known
     dst = aside_dir(step, digest_bytes(marker if marker is not None else b"")[:16])
@@ -187,7 +193,8 @@ def aside_refs(storage, aside: Aside) -> Tuple[Set[str], Set[str]]:
         raise CorruptCheckpointError("set-aside commit marker missing", step=aside.step, blob=what) from None
     blobs: Set[str] = set()
     packs: Set[str] = set()
-    for rank, (digest, size, gen) in sorted(commit.manifests.items()):
+    rows = rows_here(commit.manifests.bind(storage, d) if commit.table is not None else commit.manifests)
+    for rank, (digest, size, gen) in sorted(rows.items()):
         path = f"{d}/{manifest_path(aside.step, rank, gen).rsplit('/', 1)[1]}"
         try:
             data = storage.read_bytes(path, limit=size + 1)

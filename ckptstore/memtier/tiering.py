@@ -29,6 +29,7 @@ from ..format.blobs import digest_bytes
 from ..distributed.commit import root_identity
 from ..util.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from ..format.layout import check_step, manifest_path
+from ..format.mtable import rows_here
 from ..lifecycle.lease import read_epoch
 from ..orchestration.loading import Loader
 from .memory import (FULL_SWEEP_EVERY, Memory, NodeLock, dropped_chunks, next_to_drop, over_keep, root_usage,
@@ -271,8 +272,12 @@ class MemoryTier:
             except CheckpointError as e:
                 log.warning("memory step %d is not usable here: %s", s, e)
                 continue
-            held = [r for r, (_, size, g) in commit.manifests.items()
-                    if p.storage.size(manifest_path(s, r, g)) == size]
+            try:                        # a manifest table's rows: those this root holds
+                rows = rows_here(commit.manifests)
+            except CheckpointError as e:
+                log.warning("memory step %d is not usable here: %s", s, e)
+                continue
+            held = [r for r, (_, size, g) in rows.items() if p.storage.size(manifest_path(s, r, g)) == size]
             rep = False                 # rank 0's manifest holds keys every rank reads (save(replicated=))
             if 0 in held:
                 try:

@@ -22,6 +22,7 @@ from ..util.errors import CheckpointError, CorruptCheckpointError, IncompatibleC
 from ..distributed.fanout import PeerReadError, ReadOnce
 from ..format.layout import check_step, manifest_path
 from ..format.manifest import Commit
+from ..format.mtable import rows_here
 from .parts import Parts, quiet
 from ..format.pointers import point_away_from, read_latest
 from ..io.reader import MapLocation, read_nodes
@@ -552,7 +553,12 @@ class Loader:
             return False
         if commit.world_size == p.world_size or commit.world_size <= 1:
             return False
-        return not all(p.storage.exists(manifest_path(step, r, g)) for r, (_, _, g) in commit.manifests.items())
+        try:                # a table's rows: a node-local root without the table holds rows files of its ranks
+            rows = rows_here(commit.manifests)
+        except CheckpointError:
+            return True
+        return len(rows) < commit.world_size or not all(p.storage.exists(manifest_path(step, r, g))
+                                                         for r, (_, _, g) in rows.items())
 
     def _restore(self, state, catalog, blobs, step, *, strict, check_config, components=None,
                  rank_local: str = "error", commit: Optional[Commit] = None, share=None) -> Commit:

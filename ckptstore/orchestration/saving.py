@@ -21,7 +21,8 @@ from ..distributed.commit import commit_across_ranks, root_identity
 from ..util.errors import CheckpointError, CorruptCheckpointError
 from ..format.layout import blob_path, check_step, manifest_path, pack_path
 from ..lifecycle.lease import WriterOp, read_epoch
-from ..format.manifest import ArrayEntry, Commit, Manifest, ManifestNode, check_names, encode_commit
+from ..format.manifest import ArrayEntry, Commit, Manifest, ManifestNode, check_names, encode_commit_files
+from ..format.mtable import rows_here
 from .parts import Parts, quiet
 from ..format.pointers import point_away_from, point_to_if_newest
 from ..lifecycle.rewind import drop_local_after, must_truncate
@@ -395,7 +396,8 @@ class Saver:
             return 0
         try:
             commit = catalog.read_commit(step)
-            gen = max(g for _, _, g in commit.manifests.values()) + 1
+            # a table's rows this root holds (every row, or a leader's rows file): no O(N) read on every rank
+            gen = max(g for _, _, g in rows_here(commit.manifests).values()) + 1
         except CorruptCheckpointError:
             gen = 1                                   # a damaged marker: replaced all the same
         if self.p.rank == 0:           # routine for a re-save under another name (Lightning's last.ckpt)
@@ -418,7 +420,8 @@ class Saver:
                 p.coord, tag, step, manifest=manifest, own_digest=own_digest, bytes_total=bytes_total,
                 error=error, where=root_identity(p.storage.local_path("")), timeout=p.collective_timeout,
                 new_commit=lambda manifests, total: self._new_commit(step, manifests, total, metrics),
-                write_marker=lambda data: self._write_commit_marker(step, data),
+                write_marker=lambda data, table: self._write_commit_marker(step, data, table),
+                write_rows=lambda digest, rows: p.catalog.write_rows(step, digest, rows),
                 write_map=lambda gen, data: p.catalog.write_shard_map(step, gen, data), gen=self._gen,
                 adopt_run_id=p.adopt_run_id)
         if p.rank != 0:
@@ -432,15 +435,16 @@ class Saver:
                                           f"{p.collective_timeout:.0f} s; the step is left uncommitted")
                 time.sleep(0.05)
             manifests[r] = p.catalog.manifest_digest(step, r, self._gen)
-        self._write_commit_marker(step, encode_commit(self._new_commit(step, manifests, bytes_total, metrics)))
+        self._write_commit_marker(step, *encode_commit_files(self._new_commit(step, manifests, bytes_total, metrics)))
         return True
 
-    def _write_commit_marker(self, step: int, data: bytes) -> None:
-        """Write the commit marker, then move the latest pointer. An ``OSError`` after which the marker is in
-        place with these bytes (e.g. ENOSPC / EIO from the directory fsync after the rename) means the step IS
+    def _write_commit_marker(self, step: int, data: bytes, table: Optional[bytes] = None) -> None:
+        """Write the commit marker (its manifest table first, when it names one), then move the latest pointer.
+        An ``OSError`` after which the marker is in place with these bytes (e.g. ENOSPC / EIO from the directory fsync after the rename) means the step IS
         committed, visible to every reader: the save must not report it as failed. The pointer is only a hint:
         a failure to move it is logged, not raised."""
         catalog = self.p.catalog
+        catalog.write_table(step, table)
         try:
             catalog.write_commit_bytes(step, data)
         except OSError as e:

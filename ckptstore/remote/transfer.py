@@ -26,7 +26,8 @@ from ..util.errors import CheckpointError, CorruptCheckpointError, DamagedRead, 
 from ..format.layout import MAX_GENERATION, blob_path, commit_path, manifest_path, pack_path, shards_path, step_dir
 from ..lifecycle import lease
 from ..lifecycle.lease import WriterOp, read_epoch
-from ..format.manifest import ChunkRef, Commit, Manifest, encode_commit, encode_manifest
+from ..format.manifest import ChunkRef, Commit, Manifest, decode_commit, encode_commit_files, encode_manifest
+from ..format import mtable
 from ..format.packs import MAX_SPAN, PackBuffers, Packing, ReadItem, coalesce, plan_packs
 from ..lifecycle.repack import copy_chunks, repoint
 from ..util.retry import RetryPolicy
@@ -161,8 +162,9 @@ class StepCopier:
         explicit = ranks is not None and ranks != "present"
         commit_bytes, commit = source or self.call(lambda: self.src_catalog.read_commit_bytes(step),
                                                    f"read commit of step {step}")
-        if ranks == "present":
-            ranks = [r for r, (_, _, g) in commit.manifests.items()
+        if ranks == "present":          # a table's rows: every row where the root holds it, else its rows files'
+            here = self.call(lambda: mtable.rows_here(commit.manifests), f"read manifest rows of step {step}")
+            ranks = [r for r, (_, _, g) in here.items()
                      if self.call(lambda r=r, g=g: self.src.exists(manifest_path(step, r, g)),
                                   f"look up manifest of step {step} rank {r}")]
         manifests = []
@@ -392,13 +394,17 @@ class StepCopier:
             new = self._copy_objects(step, blobs, packs - ranged, stats, pack_ends, ranged, ranges)
             self.dst.sync({blob_path(b, c.codec).rsplit("/", 1)[0] for b, c in blobs.items()} |
                           {pack_path(p).rsplit("/", 1)[0] for p in packs - ranged})
-            writes, marker_bytes = self._dst_metadata(step, commit_bytes, commit, manifests, ranged, new)
+            writes, marker_bytes, table = self._dst_metadata(step, commit_bytes, commit, manifests, ranged, new)
             for path, data in writes:
                 self.call(lambda p=path, d=data: self.dst.write_atomic(p, d), f"write {path}")
             shard_map = self._shard_map(step, commit) if marker != "skip" else None
             if shard_map is not None:                              # after the manifests, before the marker
                 path = shards_path(step, commit.shards[2])
                 self.call(lambda: self.dst.write_atomic(path, shard_map), f"write {path}")
+            if marker != "skip" and commit.table is not None:     # likewise the manifest table, or rows
+                path, data = self._table_file(step, commit, marker_bytes, table, manifests,
+                                              subset=ranks is not None and ranks != "present")
+                self.call(lambda: self.dst.write_atomic(path, data), f"write {path}")
             if not self._disturbed:
                 if marker == "after_all":
                     self._await_other_parts(step, commit, {r for r, _, _ in manifests}, others_timeout, fresh)
@@ -501,19 +507,40 @@ class StepCopier:
                 done(p)
         return new
 
+    def _table_file(self, step: int, commit: Commit, marker_bytes: bytes, table: Optional[bytes], manifests,
+                    subset: bool) -> Tuple[str, bytes]:
+        """What ``dst`` needs of a marker's manifest table (FORMAT.md "Manifest table"): the whole table for a
+        copy of the whole step (``table``: a new one the copy made, else the source's, checked against its
+        digest), or for a copy of some ranks' parts (a pull of a rank's own part) only those ranks' rows, in a
+        rows file: a resuming rank's pull reads and writes O(its ranks), not O(world size)."""
+        new = decode_commit(marker_bytes, step=step, what=f"step {step}: commit marker")
+        if not subset:
+            if table is None:
+                table = self.call(lambda: self.src_catalog.read_table_bytes(commit),
+                                  f"read manifest table of step {step}")
+            return mtable.table_path(step, new.table.digest), table
+        if table is None:
+            rows = {r: commit.manifests[r] for r, _, _ in manifests}
+        else:
+            rows = {r: row for r, row in mtable.parse_rows(table[:mtable.ROW.size * commit.world_size], 0).items()
+                    if r in {q for q, _, _ in manifests}}
+        return mtable.encode_rows(step, new.table.digest, rows)
+
     def _dst_metadata(self, step: int, commit_bytes: bytes, commit: Commit, manifests, ranged: Set[str],
-                      new: Dict[str, ChunkRef]) -> Tuple[List[Tuple[str, bytes]], bytes]:
+                      new: Dict[str, ChunkRef]) -> Tuple[List[Tuple[str, bytes]], bytes, Optional[bytes]]:
         """The manifest files to write on ``dst`` and the commit marker's bytes: the source's, verbatim, unless
         packs were read by range. Then each pulled rank's manifest that reads from them is rewritten to name
         the new packs, as generation g+1 (g: the source's, or the local committed marker's when this step is
         being repaired, so the manifest the local marker names now is never overwritten), and the local
-        marker names those manifests; every other field of it is the source's."""
+        marker names those manifests; every other field of it is the source's. Third: the new manifest table
+        the new marker names (``None``: the marker is the source's, or names no table)."""
         if not ranged:
-            return [(manifest_path(step, r, commit.manifests[r][2]), d) for r, d, _ in manifests], commit_bytes
+            return [(manifest_path(step, r, commit.manifests[r][2]), d) for r, d, _ in manifests], commit_bytes, None
         local_gens = {}
         try:
             if self.dst_catalog.is_committed(step):
-                local_gens = {r: g for r, (_, _, g) in self.dst_catalog.read_commit(step).manifests.items()}
+                here = mtable.rows_here(self.dst_catalog.read_commit(step).manifests)
+                local_gens = {r: g for r, (_, _, g) in here.items()}
         except CheckpointError:
             pass                                         # a damaged local marker names nothing worth keeping
         entries = dict(commit.manifests)
@@ -530,7 +557,7 @@ class StepCopier:
                 if self.dst_catalog.decoded is not None:     # the restore that follows need not decode it
                     self.dst_catalog.decoded.put((entries[rank][0], len(data), step, rank), len(data), local)
             writes.append((manifest_path(step, rank, entries[rank][2]), data))
-        return writes, encode_commit(commit.replace(manifests=entries))
+        return (writes, *encode_commit_files(commit.replace(manifests=entries)))
 
     def _shard_map(self, step: int, commit: Commit) -> Optional[bytes]:
         """The source's shard map of ``step`` (checked against the marker), to copy with it; ``None`` when the
@@ -649,8 +676,9 @@ class StepCopier:
             commit = self.dst_catalog.read_commit(step)
             wanted = list(commit.manifests)
             if ranks == "present" and self.src_catalog.is_committed(step):
-                wanted = [r for r, (_, _, g) in commit.manifests.items()
-                          if self.src.exists(manifest_path(step, r, g))]
+                here = mtable.rows_here(self.src_catalog.read_commit(step).manifests)   # the source's rows
+                wanted = [r for r, (_, _, g) in here.items()
+                          if r in commit.manifests and self.src.exists(manifest_path(step, r, g))]
             for rank in wanted:
                 m = self.dst_catalog.read_manifest(commit, rank)
                 with self._lock:

@@ -34,6 +34,7 @@ from ..format.blobs import BlobStore
 from ..format.catalog import Catalog
 from ..util.errors import CheckpointError, UploadError
 from ..format.layout import STEPS, manifest_path, parse_step_dir
+from ..format.mtable import rows_here
 from ..lifecycle.gc import GCReport, collect
 from ..lifecycle.lease import acquire_writer
 from ..format.pointers import advance_latest, read_latest, rewind_latest
@@ -665,9 +666,9 @@ def leads_other_root(catalog: Catalog, storage, rank: int) -> bool:
     for step in reversed(catalog.committed_steps()):
         try:
             commit = catalog.read_commit(step)
+            rows = rows_here(commit.manifests)      # a table's rows: this root's rows files when it lacks it
         except CheckpointError:
             continue
-        here = [r for r, (_, _, g) in sorted(commit.manifests.items())
-                if storage.exists(manifest_path(step, r, g))]
+        here = [r for r, (_, _, g) in sorted(rows.items()) if storage.exists(manifest_path(step, r, g))]
         return bool(here) and 0 not in here and here[0] == rank
     return False

@@ -190,3 +190,32 @@ def test_device_meshes_are_told_apart_by_their_ranks_not_by_object():
     data = build_rule(1, 16, same, [])
     assert data == build_rule(1, 16, m, [])
     assert len(ShardMap.decode(data, step=1, world_size=16, what="shards")._rule.meshes) == 1
+
+
+def test_past_inline_rows_leaders_and_resuming_ranks_handle_a_bounded_amount_of_metadata():
+    """600 ranks (> ``mtable.INLINE_ROWS``), node-local roots of 8: the marker names a manifest table instead of
+    holding 600 rows; a leader receives the marker and its own root's 8 rows (issue 29: it received the whole
+    marker, 41 B a rank), and a rank resuming on 300 ranks reads the marker, the shard map and the pages of the
+    table holding the rows it needs (rank 0's and the few saved ranks its shards overlap), not every row."""
+    from ckptstore.format import mtable
+    n = 600
+    assert n > mtable.INLINE_ROWS
+    j = SimJob(n, shape="7b", ranks_per_root=8, full=False, sample=2)
+    try:
+        outs = j.save(1)
+        assert all(o.committed for o in outs)
+        leaders = [r for r, o in enumerate(outs) if o.wrote_marker]
+        assert leaders == list(range(0, n, 8))
+        commit = decode_commit(j.files["/node0"]["1/COMMIT"], step=1, what="COMMIT")
+        assert commit.table is not None and len(j.files["/node0"]["1/COMMIT"]) < 4 * KB
+        assert max(o.received for o in outs[1:]) <= KB                   # leaders included
+        assert max(c.largest_lead for c in j.coords) <= KB
+        rows = [k for k in j.files["/node3"] if "/rows-" in k]
+        assert len(rows) == 1 and ".r00024." in rows[0]                   # node 3's rows, in its root
+        for rank in (0, 1, 150, 299):
+            got = j.resume_reads(1, rank, n // 2)
+            # rank 0's page and at most two more (the overlapping ranks are consecutive)
+            assert got["ranks"] <= 16 and got["rows_B"] <= 3 * mtable.ROWS_PER_PAGE * mtable.ROW.size, got
+            assert got["total_B"] <= 64 * KB, got
+    finally:
+        j.close()

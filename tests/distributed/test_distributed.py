@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 
 from ckptstore import Store
 from dist import Job, run
-from helpers import cli, data_files, rewrite_frame, step_dir
+from helpers import cli, data_files, flip_byte, rewrite_frame, step_dir
 
 
 def full(path: Path):
@@ -577,3 +577,37 @@ def test_a_damaged_shard_map_on_the_remote_does_not_lose_the_step_when_parts_are
         [("loaded", 2, "remote")] * 2, res
     assert "shard map unusable" in job.outputs[0] + job.outputs[1]
     assert_same_state(full(tmp_path / "g.pt")["state"], full(tmp_path / "w.pt")["state"])
+
+
+@pytest.mark.slow
+def test_a_commit_marker_naming_a_manifest_table_resumes_and_a_damaged_page_falls_back(tmp_path):
+    """Commit markers with their manifest rows in a table (issue 29; forced at 4 ranks with
+    ``CKPTSTORE_INLINE_ROWS=0``): a 4-rank FSDP2 job resumes from a shared root on 4 and on 2 ranks bit for bit;
+    with node-local roots the leader's root holds its ranks' rows (no table) and resumes on 4; a table page that
+    does not match its marker's digest makes that step fall back to the one before."""
+    import msgpack
+    env = {"CKPTSTORE_INLINE_ROWS": "0"}
+    shared = tmp_path / "shared"
+    run(4, "--mode", "train", "--store", str(shared), "--steps", "3", "--full", str(tmp_path / "w.pt"), env=env)
+    d = step_dir(shared, 3)
+    tables = sorted(d.glob("manifests-*.tbl"))
+    assert len(tables) == 1 and tables[0].stat().st_size == 4 * 48 + 32          # 4 rows, one page's digest
+    outer = msgpack.unpackb((d / "COMMIT").read_bytes(), raw=False)
+    body = msgpack.unpackb(outer["body"], raw=False)
+    assert outer["format"] == 3 and "table" in body and "manifests" not in body
+    for world in (4, 2):
+        res = run(world, "--mode", "load", "--store", str(shared), "--full", str(tmp_path / f"g{world}.pt"), env=env)
+        assert {r["step"] for r in res.values()} == {3}
+        assert_same_state(full(tmp_path / f"g{world}.pt")["state"], full(tmp_path / "w.pt")["state"])
+    flip_byte(tables[0], 48 * 2 + 5)                          # rank 2's row: the page no longer matches
+    res = run(2, "--mode", "load", "--store", str(shared))
+    assert {r["step"] for r in res.values()} == {2}
+
+    roots = str(tmp_path / "node{node}")
+    run(4, "--mode", "train", "--store", roots, "--steps", "2", "--full", str(tmp_path / "n.pt"), env=env)
+    node1 = step_dir(tmp_path / "node1", 2)
+    assert not list(node1.glob("*.tbl")) and [p.name[-15:] for p in node1.glob("rows-*")] == [".r00002.msgpack"]
+    assert len(list(step_dir(tmp_path / "node0", 2).glob("manifests-*.tbl"))) == 1
+    res = run(4, "--mode", "load", "--store", roots, "--full", str(tmp_path / "ng.pt"))
+    assert {r["step"] for r in res.values()} == {2}
+    assert_same_state(full(tmp_path / "ng.pt")["state"], full(tmp_path / "n.pt")["state"])

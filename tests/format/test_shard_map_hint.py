@@ -70,7 +70,10 @@ def _rule_map(body, how):
         body["keys"][0][2] = [body["keys"][0][2][0] + 2] + body["keys"][0][2][1:]
     elif how == "rule_wrong_grid":                 # the mesh's ranks swapped: every box at the other rank
         import numpy as np
-        body["meshes"][0][1] = np.frombuffer(body["meshes"][0][1], "<i4")[::-1].astype("<i4").tobytes()
+        shape, grid = body["meshes"][0]
+        if grid is None:                           # nil: 0..n-1 in mesh order (issue 29)
+            grid = np.arange(int(np.prod(shape)), dtype="<i4").tobytes()
+        body["meshes"][0][1] = np.frombuffer(grid, "<i4")[::-1].astype("<i4").tobytes()
     elif how == "rule_wrong_schema":
         body["meshes"] = {"not": "a list"}
     return frame("shards", body)
