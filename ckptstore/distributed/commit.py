@@ -158,7 +158,7 @@ def agree_commit(coord: Coordinator, tag: str, step: int, part: Dict[str, Any], 
         except CollectiveTimeout as e:
             for r in e.missing or ["?"]:
                 fold.fail(r, f"did not reach the commit within {timeout:.0f} s (stalled or dead)")
-        run_id = ""
+        run_id, table_digest = "", None
         if not fold.nfail:
             settled = coord.decide(tag, "commit")
             if settled != "commit":                 # "abort:<rank>": that rank gave up first
@@ -167,13 +167,15 @@ def agree_commit(coord: Coordinator, tag: str, step: int, part: Dict[str, Any], 
                 try:
                     marker, extra = write_commit(fold.manifests, fold.bytes)
                     run_id = str(extra.get("run_id", ""))
+                    table_digest = extra.pop("table_digest", None)
                 except Exception as e:
                     fold.fail(0, f"writing the commit marker: {type(e).__name__}: {e}")
         else:
             coord.decide(tag, "abort:0")
         listed = sorted(fold.failures.items(), key=lambda kv: str(kv[0]))[:MAX_LISTED]
         verdict = {"committed": not fold.nfail, "failures": {str(k): v[:MAX_ERROR] for k, v in listed},
-                   "more": max(0, fold.nfail - len(listed)), "run_id": run_id}
+                   "more": max(0, fold.nfail - len(listed)), "run_id": run_id,
+                   **({"table": table_digest} if table_digest is not None and not fold.nfail else {})}
         try:
             if not fold.nfail:
                 table = extra.pop("table", False)
@@ -242,14 +244,17 @@ def commit_across_ranks(coord: Coordinator, tag: str, step: int, *, manifest: Op
                         write_marker: Callable[[bytes, Optional[bytes]], None],
                         write_rows: Callable[[bytes, Dict[int, Tuple[bytes, int, int]]], None],
                         write_map: Callable[[int, bytes], Tuple[bytes, int, int]], gen: int,
-                        adopt_run_id: Callable[[str], None]) -> bool:
+                        adopt_run_id: Callable[[str], None],
+                        on_table: Optional[Callable[[bytes], None]] = None) -> bool:
     """One rank's side of a collective save (what ``Store.save`` runs after writing its manifest): its part
     (with the shard map's inputs from ``manifest``, this rank's, ``None`` when it failed before having one),
     :func:`agree_commit`, and on rank 0 / a leader the shard map and commit marker through ``write_map(gen,
     bytes) -> ref`` and ``write_marker(bytes, table bytes or None)`` (the manifest table of a marker of more than
     ``mtable.INLINE_ROWS`` ranks, written before the marker); a leader writes its root's manifest rows through
     ``write_rows(table digest, rows)`` before the marker; ``new_commit(manifest table, bytes total)`` makes the
-    marker's contents. Returns whether this rank wrote a commit marker. Raises :class:`CommitError` (from ``error``)."""
+    marker's contents. ``on_table(table digest)``: every rank, once committed, when the marker names a manifest
+    table (the verdict carries its digest: the memory tier writes the rows of the replicas this rank took).
+    Returns whether this rank wrote a commit marker. Raises :class:`CommitError` (from ``error``)."""
     extra: Dict[str, Any] = {}
     groups: List[Any] = []
     if manifest is not None:
@@ -286,6 +291,7 @@ def commit_across_ranks(coord: Coordinator, tag: str, step: int, *, manifest: Op
         write_marker(data, table)
         if table is not None:
             lead["table"] = True
+            lead["table_digest"] = bytes.fromhex(digest_bytes(table))
         return data, lead
 
     def write_copy(message):
@@ -308,6 +314,8 @@ def commit_across_ranks(coord: Coordinator, tag: str, step: int, *, manifest: Op
     def adopt(verdict):                               # rank 0's run id, on every rank, from the first commit
         if verdict.get("run_id"):
             adopt_run_id(verdict["run_id"])
+        if on_table is not None and isinstance(verdict.get("table"), bytes):
+            on_table(verdict["table"])
     try:
         return agree_commit(coord, tag, step, part, timeout=timeout, check=check, write_commit=write_commit,
                             write_copy=write_copy, on_committed=adopt)

@@ -225,9 +225,18 @@ class Catalog:
 
     def write_rows(self, step: int, digest: bytes, rows) -> None:
         """Write a rows file: ``rows`` (rank -> (digest, size, generation)) of the table ``digest`` names, into
-        a root holding those ranks' parts but not the table (before the marker)."""
-        path, data = mtable.encode_rows(step, digest, rows)
-        self.storage.write_atomic(path, data)
+        a root holding those ranks' parts but not the table (before the marker). A rows file of the same name
+        (named by its lowest rank: a leader's, then the same rank's pull or rebuild) keeps its other rows: the
+        file becomes the union, never fewer rows than the root could name before."""
+        rows = dict(rows)
+        path, _ = mtable.encode_rows(step, digest, rows)
+        try:
+            old = mtable.decode_rows(self.storage.read_bytes(path, limit=mtable.MAX_ROWS_FILE_BYTES), step, digest,
+                                     1 << 31, path)
+        except (FileNotFoundError, CorruptCheckpointError):
+            old = {}                                    # none, or damaged: replaced by what is known now
+        rows = {**old, **rows}                          # the same lowest rank: the same name
+        self.storage.write_atomic(*mtable.encode_rows(step, digest, rows))
 
     def write_commit_bytes(self, step: int, data: bytes) -> None:
         """Write a commit marker given as bytes (rank 0's, copied into another rank's root); checked first."""

@@ -409,11 +409,21 @@ def _read_status(data: bytes) -> Tuple[bool, str]:
 
 
 # -- saving: replicate this rank's part to its peers ---------------------------------------------------------
-def replicate(link: Link, ring: Ring, storage, step: int, gen: int, manifest: Manifest) -> ReplicationStats:
+def _row_of(offer: Dict[str, Any]) -> Tuple[bytes, int, int]:
+    """The manifest row (digest, size, generation) of the part an offer carried."""
+    data = offer["manifest"]
+    return bytes.fromhex(digest_bytes(data)), len(data), int(offer["gen"])
+
+
+def replicate(link: Link, ring: Ring, storage, step: int, gen: int, manifest: Manifest,
+              rows: Optional[Dict[int, Tuple[bytes, int, int]]] = None) -> ReplicationStats:
     """This rank's side of one memory step's replication (see the module docstring): for each replica ``j``,
-    send this rank's part to ``ring.target(j)`` while taking ``ring.source(j)``'s. Returns the bytes moved;
-    raises :class:`ReplicationError` (or ``CorruptCheckpointError``) when this rank's part did not reach a
-    peer, or a peer's part did not reach this rank."""
+    send this rank's part to ``ring.target(j)`` while taking ``ring.source(j)``'s. ``rows``: filled with the
+    manifest row of each part taken (rank -> (digest, size, generation)): where the step's marker names a
+    manifest table, this root holds no row of another node's rank until they are written (the committed rows:
+    a rank commits the manifest it replicated). Returns the bytes moved; raises :class:`ReplicationError` (or
+    ``CorruptCheckpointError``) when this rank's part did not reach a peer, or a peer's part did not reach this
+    rank."""
     stats = ReplicationStats()
     rank = ring.rank
     mbytes = storage.read_bytes(manifest_path(step, rank, gen))
@@ -447,6 +457,8 @@ def replicate(link: Link, ring: Ring, storage, step: int, gen: int, manifest: Ma
         if error is None and theirs is not None:
             try:
                 stats.add(take(storage, theirs, want, got, step=step, rank=src, what=what, local=local))
+                if rows is not None:
+                    rows[src] = _row_of(theirs)
             except Exception as e:
                 error = e
         answer = link.exchange(src, _status(error), dst, f"step {step}: answers")
@@ -484,7 +496,9 @@ def rebuild(link: Link, storage, catalog, step: int, marker_digest: str, plan: S
                 data, commit = catalog.read_commit_bytes(step)
                 if digest_bytes(data) != marker_digest:
                     raise CorruptCheckpointError("commit marker differs from the one agreed on", step=step)
-                extra = {"marker": data}
+                extra: Dict[str, Any] = {"marker": data}
+                if part >= 0 and commit.table is not None:      # the receiver's root may hold no row of it
+                    extra["row"] = list(commit.manifests[part])
                 if commit.shards is not None and storage.exists(shards_path(step, commit.shards[2])):
                     extra["shards"] = storage.read_bytes(shards_path(step, commit.shards[2]))
                 if part >= 0:
@@ -530,7 +544,11 @@ def rebuild(link: Link, storage, catalog, step: int, marker_digest: str, plan: S
                 if not isinstance(m, bytes) or digest_bytes(m) != marker_digest:
                     raise CorruptCheckpointError("commit marker differs from the one agreed on", step=step)
                 commit = decode_commit(m, step=step, what=f"{what}: commit marker")
-                if part >= 0 and commit.manifests.get(part, (None, None, None))[2] != body["gen"]:
+                if part >= 0 and commit.table is not None:      # the holder's row, checked against the part
+                    row = body.get("row")
+                    if not (isinstance(row, list) and len(row) == 3 and tuple(row) == _row_of(body)):
+                        raise CorruptCheckpointError("manifest row differs from the part's manifest", step=step)
+                elif part >= 0 and commit.manifests.get(part, (None, None, None))[2] != body["gen"]:
                     raise CorruptCheckpointError("manifest generation differs from the commit marker's", step=step)
                 marker = (m, body.get("shards") if isinstance(body.get("shards"), bytes) else None)
                 want = wanted(storage, body, local) if part >= 0 else []
@@ -541,6 +559,8 @@ def rebuild(link: Link, storage, catalog, step: int, marker_digest: str, plan: S
             if error is None and part >= 0:
                 try:
                     stats.add(take(storage, body, want, got, step=step, rank=part, what=what, local=local))
+                    if commit.table is not None:     # its row, before the leader writes the marker
+                        catalog.write_rows(step, commit.table.digest, {part: _row_of(body)})
                 except Exception as e:
                     error = e
             link.send(holder, _status(error), what)

@@ -72,6 +72,9 @@ class MemoryTier:
         self.saver = Saver(self.p, on_rewind=on_rewind, retain=self._retain,
                            before_commit=self._replicate if self.link is not None else None,
                            write_lock=self._write_phase)
+        self._replica_rows: Dict[int, Dict[int, Tuple[bytes, int, int]]] = {}
+        if self.link is not None:
+            self.saver.after_table = self._write_replica_rows
         self._epoch = read_epoch(storage)
         self.loader = Loader(self.p, config_may_change=config_may_change, pull=self._no_pull)
         self.where = root_identity(storage.local_path("")).hex()
@@ -129,8 +132,20 @@ class MemoryTier:
             yield
 
     def _replicate(self, step: int, gen: int, manifest) -> None:
-        stats = replicate(self.link, self.ring, self.p.storage, step, gen, manifest)
+        rows: Dict[int, Tuple[bytes, int, int]] = {}
+        with self._lock:
+            self._replica_rows = {step: rows}        # a save that did not commit leaves nothing behind
+        stats = replicate(self.link, self.ring, self.p.storage, step, gen, manifest, rows=rows)
         self.replicated.add(stats)
+
+    def _write_replica_rows(self, step: int, table_digest: bytes) -> None:
+        """Once ``step`` is committed under a marker naming a manifest table: the rows of the replicas this rank
+        took, in a rows file of this root (the leader's names this root's own ranks only), so that a rebuild
+        or resume can find them (FORMAT.md "Manifest table")."""
+        with self._lock:
+            rows = self._replica_rows.pop(step, None)
+        if rows:
+            self.p.catalog.write_rows(step, table_digest, rows)
 
     def _queue_promotion(self, step: int, metrics: Dict[str, Any], names: Tuple[str, ...]) -> None:
         """Runs where the memory save of ``step`` ended (its thread): the promotion goes to the disk store's

@@ -102,6 +102,9 @@ class Saver:
         #: ranks agree on the commit (the memory tier's peer replication); an exception fails the step on
         #: every rank
         self.before_commit = before_commit
+        #: called as ``after_table(step, table digest)`` on every rank once a collective save is committed under
+        #: a marker naming a manifest table (the memory tier: the rows of the replicas this rank took)
+        self.after_table: Optional[Callable[[int, bytes], None]] = None
         #: a context manager held while a save decides what to reuse and writes (chunks, packs, manifest,
         #: ``before_commit``): the memory tier's node lock, against its sweep
         #: (:class:`ckptstore.memtier.memory.NodeLock`)
@@ -423,7 +426,8 @@ class Saver:
                 write_marker=lambda data, table: self._write_commit_marker(step, data, table),
                 write_rows=lambda digest, rows: p.catalog.write_rows(step, digest, rows),
                 write_map=lambda gen, data: p.catalog.write_shard_map(step, gen, data), gen=self._gen,
-                adopt_run_id=p.adopt_run_id)
+                adopt_run_id=p.adopt_run_id,
+                on_table=None if self.after_table is None else (lambda digest: self.after_table(step, digest)))
         if p.rank != 0:
             return False
         manifests = {0: own_digest}
