@@ -84,8 +84,9 @@ def test_a_shard_map_that_lies_falls_back_to_every_manifest(saved4, tmp_path, li
     (path,) = [p for p in step_dir(store, 3).iterdir() if p.name.startswith("shards")]
 
     def mutate(body):                     # the map describes the shards by rule: lie about the mesh's ranks
-        for mesh in body["meshes"]:
-            grid = np.frombuffer(mesh[1], dtype="<i4")
+        for mesh in body["meshes"]:              # a grid equal to arange is written nil (issue 29)
+            grid = np.arange(int(np.prod(mesh[0])), dtype="<i4") if mesh[1] is None else \
+                np.frombuffer(mesh[1], dtype="<i4")
             mesh[1] = (grid[::-1] if lie == "wrong_ranks" else np.full_like(grid, 99)).astype("<i4").tobytes()
     rewrite_frame(path, mutate)
     data = path.read_bytes()
