@@ -143,6 +143,19 @@ class CountingProxy(LoopbackProxy):
             await w.drain()
 
 
+def object_puts(requests: List[Tuple[str, str]]) -> Counter:
+    """Uploads per blob / pack object name (issue 29: PUT once per job, not once per node) among ``requests``
+    ((method, target), as :attr:`CountingProxy.requests`): PUTs of a whole object, and the POSTs that start a
+    multipart upload (its parts and its completion are not counted again)."""
+    out: Counter = Counter()
+    for method, target in requests:
+        path, _, query = target.partition("?")
+        if ("/objects/" in path or "/packs/" in path) and "uploadId" not in query and \
+                (method == "PUT" or (method == "POST" and "uploads" in query)):
+            out[path] += 1
+    return out
+
+
 def mark(endpoint: str, name: str) -> None:
     """From a process under test: record the proxy's counts so far under ``name`` (see the module docstring)."""
     import urllib.request

@@ -481,7 +481,8 @@ class StepCopier:
         map's rule, :meth:`ShardMap.ranks <ckptstore.format.shardmap.ShardMap.ranks>` with ``prefer=0``); a plain
         value the map does not call rank-local is held alike by every rank (FORMAT.md "Shard map"): rank 0's;
         anything else: the rank's own. An object (a blob, or a pack: the same bytes on two ranks packed alike)
-        is left to its owner when every chunk of it our ranks name has that one owner and the owner is not ours.
+        is left to its owner when every chunk of it our ranks name has that one owner and the owner is not ours,
+        unless it is known to be on ``dst`` already (an earlier step's object costs nothing to keep).
         An owner's own chunks are its own, so it never waits on another root for them. Empty without a readable
         shard map (every root uploads what it holds, as before)."""
         mine = {r for r, _, _ in manifests}
@@ -513,8 +514,11 @@ class StepCopier:
                     owner = 0
                 for c in e.chunks:
                     owners.setdefault(("blob", c.blob_id) if c.pack is None else ("pack", c.pack), set()).add(owner)
+        with self._lock:                              # known there already (an earlier step's): nothing to leave
+            known = set(self.known_dst)
         out = {k: next(iter(o)) for k, o in owners.items()
-               if len(o) == 1 and not o & mine and (k[1] in blobs if k[0] == "blob" else k[1] in packs)}
+               if len(o) == 1 and not o & mine and k not in known
+               and (k[1] in blobs if k[0] == "blob" else k[1] in packs)}
         if out:
             log.info("step %d: %d object(s) left to the root(s) of rank(s) %s, which hold them too", step, len(out),
                      sorted(set(out.values())))

@@ -8,15 +8,15 @@ every rank holds the same values, saved without ``replicated=`` (byte-identical 
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
-from collections import Counter
 
 import fsspec
 import pytest
 
 from ckptstore.format.layout import commit_path, step_dir  # noqa: E402
-from countproxy import CountingProxy, measure, run_job  # noqa: E402
+from countproxy import CountingProxy, measure, object_puts, run_job  # noqa: E402
 from faultproxy import FaultProxy  # noqa: E402
 
 pytestmark = [pytest.mark.remote, pytest.mark.slow]
@@ -28,17 +28,6 @@ def proxy(s3_server):
         pytest.skip("counts requests through a proxy in front of the loopback moto server")
     with CountingProxy(s3_server.port) as p:
         yield p
-
-
-def object_puts(requests) -> Counter:
-    """Uploads per blob / pack name: PUTs of a whole object and the POSTs that start a multipart upload."""
-    out: Counter = Counter()
-    for method, target in requests:
-        path, _, query = target.partition("?")
-        if ("/objects/" in path or "/packs/" in path) and "uploadId" not in query and \
-                (method == "PUT" or (method == "POST" and "uploads" in query)):
-            out[path] += 1
-    return out
 
 
 @pytest.mark.parametrize("state", ["hsdp", "ddp"])
@@ -79,7 +68,6 @@ def test_a_failing_owner_node_leaves_the_step_uncommitted_and_a_later_upload_com
     uploads step 2 from the node-local disks and commits it, and a job on empty disks resumes step 2 bit for
     bit (the worker checks every rank's values)."""
     url, so = s3_bucket_url
-    import json
     opts = json.dumps(dict(so, endpoint_url=proxy.endpoint))
     common = ("--remote", url, "--so", opts, "--per-node", "2", "--shared-kib", "4200", "--state", "hsdp",
               "--deadline", "4")
