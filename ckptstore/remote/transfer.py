@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 
 from ..format.blobs import BlobStore, digest_bytes, hash_stream, read_verified
@@ -534,47 +534,29 @@ class StepCopier:
         failing): the caller uploads those itself. So a manifest of ours never reaches ``dst`` before the objects
         it names, whatever the other roots do. Each round: one listing of the step's prefix (where the storage
         lists sizes) and one bounded GET per owner manifest that appears with the marker's size."""
-        deadline = time.monotonic() + (self.retry.deadline if timeout is None else timeout)
         waiting: Dict[int, Set[Tuple[str, str]]] = {}
         for key, owner in deferred.items():
             waiting.setdefault(owner, set()).add(key)
         late: Set[Tuple[str, str]] = set()
         for owner in [o for o in waiting if o not in commit.manifests]:
             late |= waiting.pop(owner)
-        delay = 0.05
-        while waiting:
-            listed = self.call(lambda: self.dst.list_sizes(step_dir(step)), f"list step {step} of {self.dst.url}")
-            for owner in sorted(waiting):
-                digest, size, gen = commit.manifests[owner]
-                path = manifest_path(step, owner, gen)
-                if listed is not None and listed.get(path.rsplit("/", 1)[1]) != size:
-                    continue                            # not there yet
-                try:
-                    data = self.call(lambda p=path, n=size: self.dst.read_bytes(p, limit=n + 1), f"read {path}")
-                except FileNotFoundError:
-                    continue
-                if len(data) != size or digest_bytes(data) != digest.hex():
-                    continue                            # an earlier attempt's, or still being replaced
-                keys = waiting.pop(owner)
-                try:
-                    m = decode_manifest(data, step=step, rank=owner, what=path)
-                    have = {("blob", b) for b in m.blob_ids()} | {("pack", p) for p in m.pack_ids()}
-                except CheckpointError:
-                    have = set()
-                with self._lock:
-                    self.known_dst |= keys & have
-                late |= keys - have
-            if waiting and time.monotonic() >= deadline:
-                log.warning("step %d: the manifests of rank(s) %s did not reach %s in %.0f s: this node uploads "
-                            "the %d object(s) it left to them", step, sorted(waiting), self.dst.url,
-                            self.retry.deadline if timeout is None else timeout,
-                            sum(len(k) for k in waiting.values()))
-                for keys in waiting.values():
-                    late |= keys
-                break
-            if waiting:
-                time.sleep(delay)
-                delay = min(2.0, delay * 2)
+        for owner, data in self._arrivals(step, commit, sorted(waiting), timeout):
+            keys = waiting.pop(owner)
+            try:
+                m = decode_manifest(data, step=step, rank=owner, what=manifest_path(step, owner,
+                                                                                  commit.manifests[owner][2]))
+                have = {("blob", b) for b in m.blob_ids()} | {("pack", p) for p in m.pack_ids()}
+            except CheckpointError:
+                have = set()
+            with self._lock:
+                self.known_dst |= keys & have
+            late |= keys - have
+        if waiting:
+            log.warning("step %d: the manifests of rank(s) %s did not reach %s in %.0f s: this node uploads "
+                        "the %d object(s) it left to them", step, sorted(waiting), self.dst.url,
+                        self.retry.deadline if timeout is None else timeout, sum(len(k) for k in waiting.values()))
+            for keys in waiting.values():
+                late |= keys
         if late:
             log.info("step %d: %d object(s) left to other roots are not confirmed there: uploading them", step,
                      len(late))
@@ -690,8 +672,24 @@ class StepCopier:
         size is this attempt's, written by its node after that node verified it against the marker's digest,
         and is not read back; a save then costs rank 0 one LIST per round (per 1,000 ranks) whatever the
         number of ranks. Storages that cannot list sizes are read rank by rank, one bounded GET each."""
-        deadline = time.monotonic() + (self.retry.deadline if timeout is None else timeout)
         missing = sorted(set(commit.manifests) - set(copied))
+        arrived = {r for r, _ in self._arrivals(step, commit, missing, timeout, trust_listing=fresh)}
+        missing = [r for r in missing if r not in arrived]
+        if missing:
+            raise UploadError(f"step {step}: the parts of rank(s) {missing} did not reach {self.dst.url} "
+                              "(their node has not uploaded them): the step is not committed there")
+
+    def _arrivals(self, step: int, commit: Commit, ranks: List[int], timeout: Optional[float],
+                  trust_listing: bool = False) -> Iterator[Tuple[int, Optional[bytes]]]:
+        """Poll ``dst`` for the manifests of ``ranks`` of ``step``, yielding ``(rank, bytes)`` as each is there
+        with the size and digest the commit marker names, until all are or ``timeout`` seconds (default: the
+        retry deadline) have passed (the caller tells the missing ones by what was not yielded). Each round: one
+        listing of the step's prefix with sizes, and one bounded GET per manifest newly listed with the
+        marker's size (every rank's, one by one, where the storage cannot list sizes); backoff 0.05 s -> 2 s.
+        ``trust_listing``: a manifest listed with the marker's size is taken without reading it (bytes
+        ``None``; see :meth:`_await_other_parts`)."""
+        deadline = time.monotonic() + (self.retry.deadline if timeout is None else timeout)
+        missing = sorted(ranks)
         delay = 0.05
         while missing:
             listed = self.call(lambda: self.dst.list_sizes(step_dir(step)), f"list step {step} of {self.dst.url}")
@@ -700,20 +698,19 @@ class StepCopier:
                 path = manifest_path(step, r, gen)
                 if listed is not None and listed.get(path.rsplit("/", 1)[1]) != size:
                     continue                       # not there yet (or not yet the bytes the marker names)
-                if listed is not None and fresh:
+                if listed is not None and trust_listing:
                     missing.remove(r)
+                    yield r, None
                     continue
                 try:
                     data = self.call(lambda p=path, n=size: self.dst.read_bytes(p, limit=n + 1), f"read {path}")
                 except FileNotFoundError:
                     continue
-                if len(data) == size and digest_bytes(data) == digest.hex():
+                if len(data) == size and digest_bytes(data) == digest.hex():   # else an earlier attempt's
                     missing.remove(r)
-            if not missing:
+                    yield r, data
+            if not missing or time.monotonic() >= deadline:
                 return
-            if time.monotonic() >= deadline:
-                raise UploadError(f"step {step}: the parts of rank(s) {missing} did not reach {self.dst.url} "
-                                  "(their node has not uploaded them): the step is not committed there")
             time.sleep(delay)
             delay = min(2.0, delay * 2)
 

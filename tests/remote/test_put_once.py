@@ -16,18 +16,10 @@ import fsspec
 import pytest
 
 from ckptstore.format.layout import commit_path, step_dir  # noqa: E402
-from countproxy import CountingProxy, measure, object_puts, run_job  # noqa: E402
+from countproxy import measure, object_puts, run_job  # noqa: E402
 from faultproxy import FaultProxy  # noqa: E402
 
 pytestmark = [pytest.mark.remote, pytest.mark.slow]
-
-
-@pytest.fixture
-def proxy(s3_server):
-    if s3_server.is_external:
-        pytest.skip("counts requests through a proxy in front of the loopback moto server")
-    with CountingProxy(s3_server.port) as p:
-        yield p
 
 
 @pytest.mark.parametrize("state", ["hsdp", "ddp"])
