@@ -484,9 +484,9 @@ class StepCopier:
         is left to its owner when every chunk of it our ranks name has that one owner and the owner is not ours,
         unless it is known to be on ``dst`` already (an earlier step's object costs nothing to keep).
         An owner's own chunks are its own, so it never waits on another root for them. Empty without a readable
-        shard map (every root uploads what it holds, as before)."""
+        shard map (every root uploads what it holds, as before), and with every rank's parts here (one root)."""
         mine = {r for r, _, _ in manifests}
-        if commit.shards is None or not manifests:
+        if commit.shards is None or not manifests or mine >= set(commit.manifests):    # one root holds all
             return {}
         try:
             smap = self.src_catalog.read_shard_map(commit)
