@@ -404,7 +404,7 @@ class StepCopier:
             self._disturbed = False
             ranged = self._ranged_packs(packs, ranges, pack_ends) if marker == "write" else set()
             new = self._copy_objects(step, blobs, packs - ranged, stats, pack_ends, ranged, ranges)
-            if deferred:                          # after our own objects: never a wait on a root that waits on us
+            if deferred:                          # after our own objects (owners never wait for those)
                 late = self._await_owners(step, commit, deferred, others_timeout)
                 deferred = {}
                 if late:                          # not where the owner's manifest says: uploaded by us after all
