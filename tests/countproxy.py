@@ -143,6 +143,19 @@ class CountingProxy(LoopbackProxy):
             await w.drain()
 
 
+def object_puts(requests: List[Tuple[str, str]]) -> Counter:
+    """Uploads per blob / pack object name (issue 29: PUT once per job, not once per node) among ``requests``
+    ((method, target), as :attr:`CountingProxy.requests`): PUTs of a whole object, and the POSTs that start a
+    multipart upload (its parts and its completion are not counted again)."""
+    out: Counter = Counter()
+    for method, target in requests:
+        path, _, query = target.partition("?")
+        if ("/objects/" in path or "/packs/" in path) and "uploadId" not in query and \
+                (method == "PUT" or (method == "POST" and "uploads" in query)):
+            out[path] += 1
+    return out
+
+
 def mark(endpoint: str, name: str) -> None:
     """From a process under test: record the proxy's counts so far under ``name`` (see the module docstring)."""
     import urllib.request
@@ -160,18 +173,21 @@ def run_job(world: int, *args: str, timeout: float = 240) -> dict:
 
 
 def measure(proxy: CountingProxy, url: str, storage_options: dict, root: str, world: int, *, per_node: int = 4,
-            shared_root: bool = False, steps: int = 2, timeout: float = 240, shared_kib: int = 64) -> dict:
+            shared_root: bool = False, steps: int = 2, timeout: float = 240, shared_kib: int = 64,
+            state: str = "default", args: Tuple[str, ...] = ()) -> dict:
     """Counts of one save job (``steps`` saves from scratch into the empty remote ``url``) and of one resume
     job on fresh local roots (every step pulled from the remote). Returns ``{"save<k>": Counter, ...,
     "resume": Counter (job start -> every rank resumed), "resume_settled": Counter (-> uploader start-up done),
-    "resumed_step": int}``."""
+    "resumed_step": int}``. ``state``: the worker's ``--state`` (default, ddp, hsdp); ``args``: more
+    worker options, for both jobs."""
     import json
     so = json.dumps(dict(storage_options, endpoint_url=proxy.endpoint))
     out = {}
     store = f"{root}/save" + ("" if shared_root else "/node{node}")
     proxy.reset()
     run_job(world, "--mode", "save", "--store", store, "--remote", url, "--so", so, "--steps", str(steps),
-            "--per-node", str(per_node), "--shared-kib", str(shared_kib), timeout=timeout)
+            "--per-node", str(per_node), "--shared-kib", str(shared_kib), "--state", state, *args,
+            timeout=timeout)
     prev = None
     for k in range(1, steps + 1):
         out[f"save{k}"] = proxy.between(prev, f"save{k}")
@@ -180,7 +196,8 @@ def measure(proxy: CountingProxy, url: str, storage_options: dict, root: str, wo
     proxy.reset()
     store = f"{root}/resume" + ("" if shared_root else "/node{node}")
     res = run_job(world, "--mode", "resume", "--store", store, "--remote", url, "--so", so,
-                  "--per-node", str(per_node), "--shared-kib", str(shared_kib), timeout=timeout)
+                  "--per-node", str(per_node), "--shared-kib", str(shared_kib), "--state", state, *args,
+            timeout=timeout)
     out["resume"] = proxy.between(None, "resumed")
     out["resume_settled"] = proxy.between(None, "settled")
     out["requests_resume"] = proxy.requests_between(None, "resumed")

@@ -20,6 +20,9 @@ fate drawn from a seeded generator:
 * ``blackhole = True`` (independent of ``faults``): the server stops answering: every connection, new or open,
   still accepts bytes, and nothing more crosses in either direction (a server that accepts requests and never
   answers, issue 26 item 6); set it back to False and open connections carry bytes again.
+* ``refuse = True`` (independent of ``faults``; set it with :meth:`refuse_all`, which also resets every open
+  connection): every connection is reset before anything is forwarded (a node cut off from the store, failing
+  fast); set it back to False to let new connections through.
 Only 127.0.0.1 is ever listened on or connected to. ``counts`` tells how many connections met each fate.
 """
 from __future__ import annotations
@@ -54,6 +57,8 @@ class FaultProxy(LoopbackProxy):
         self._damage_rng = random.Random(seed + 1)
         self._damage_last: dict = {}            # request line -> the last damage done to its answer
         self.blackhole = False                  # see the module docstring
+        self.refuse = False                     # see the module docstring and refuse_all()
+        self._open: set = set()                 # the client side of every connection being forwarded
         self.counts: Counter = Counter()
 
     def damage(self, n: Optional[int], match: bytes, kind: str = "mixed") -> None:
@@ -165,7 +170,26 @@ class FaultProxy(LoopbackProxy):
             w.write(head + bytes(body))
             await w.drain()
 
+    def refuse_all(self) -> None:
+        """From now on reset every new connection, and reset the open ones (keep-alive connections included)."""
+        self.refuse = True
+
+        def reset_open():
+            for w in list(self._open):
+                _reset(w)
+        self._loop.call_soon_threadsafe(reset_open)
+
     async def _handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        if self.refuse:
+            self.counts["refused"] += 1
+            return _reset(cw)
+        self._open.add(cw)
+        try:
+            await self._forward(cr, cw)
+        finally:
+            self._open.discard(cw)
+
+    async def _forward(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
         if self.blackhole:
             self.counts["blackhole"] += 1
             while await cr.read(65536):          # takes the request, never answers

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 
 from ..format.blobs import BlobStore, digest_bytes, hash_stream, read_verified
@@ -26,7 +26,8 @@ from ..util.errors import CheckpointError, CorruptCheckpointError, DamagedRead, 
 from ..format.layout import MAX_GENERATION, blob_path, commit_path, manifest_path, pack_path, shards_path, step_dir
 from ..lifecycle import lease
 from ..lifecycle.lease import WriterOp, read_epoch
-from ..format.manifest import ChunkRef, Commit, Manifest, decode_commit, encode_commit_files, encode_manifest
+from ..format.manifest import (ChunkRef, Commit, Manifest, decode_commit, decode_manifest, encode_commit_files,
+                               encode_manifest)
 from ..format import mtable
 from ..format.packs import MAX_SPAN, PackBuffers, Packing, ReadItem, coalesce, plan_packs
 from ..lifecycle.repack import copy_chunks, repoint
@@ -38,6 +39,7 @@ log = logging.getLogger("ckptstore")
 STREAM_THRESHOLD = 16 << 20      # blobs above this are uploaded from their file (multipart, bounded memory)
 ONE_GET_MAX = 128 << 20          # a remote pack whose size is known and at most this is read by one GET
 _HASH_PIECE = 8 << 20
+_ARRAYS = ("tensor", "ndarray", "npscalar", "dtensor")     # manifest node kinds whose payload has chunks
 #: A pull copies a pack whole when its ranged reads (the step's distinct ranges in it, coalesced across holes
 #: of up to the source's ``coalesce_gap`` as every ranged read is) would fetch at least this fraction of its
 #: size; below it, the pack is read by range. 0.5: ranges fetch R < S/2 bytes of a pack of S instead of S,
@@ -62,6 +64,14 @@ class TransferStats:
     packs_whole: int = 0
     packs_ranged: int = 0
     ranges_fetched: int = 0
+
+
+def _plain_shared(n, replicated, rank_local) -> bool:
+    """Whether manifest node ``n`` is a plain (not sharded) value that every rank holds alike, chunk ids
+    included: not under a ``replicated`` key (rank 0 alone saves those) nor a path the shard map calls
+    rank-local (``rank_local`` ``None``: unknown, so no)."""
+    return (rank_local is not None and n.kind != "dtensor" and bool(n.path) and n.path[0] not in replicated
+            and not any(tuple(n.path[:len(q)]) == tuple(q) for q in rank_local))
 
 
 class _CountedReads:
@@ -387,11 +397,26 @@ class StepCopier:
         if marker == "skip":                      # a node's parts: rank 0's node uploads what it shares with them
             for b in self._rank0_uploads(step, commit, manifests):
                 blobs.pop(b, None)
+        # one of several uploaders (node-local roots): objects another root holds too are left to the root of
+        # their owner rank, and confirmed on dst (in the owner's manifest there) before our manifests go
+        deferred = self._owned_elsewhere(step, commit, manifests, blobs, packs) if marker != "write" else {}
+        held = {b: blobs.pop(b) for kind, b in deferred if kind == "blob"}
+        packs -= {p for kind, p in deferred if kind == "pack"}
         stats = TransferStats(step=step, blobs_total=len(blobs) + len(packs))
         for _ in range(10):
             self._disturbed = False
             ranged = self._ranged_packs(packs, ranges, pack_ends) if marker == "write" else set()
             new = self._copy_objects(step, blobs, packs - ranged, stats, pack_ends, ranged, ranges)
+            if deferred:                          # after our own objects (owners never wait for those)
+                late = self._await_owners(step, commit, deferred, others_timeout)
+                deferred = {}
+                if late:                          # not where the owner's manifest says: uploaded by us after all
+                    late_blobs = {b: held[b] for kind, b in late if kind == "blob"}
+                    late_packs = {p for kind, p in late if kind == "pack"}
+                    blobs.update(late_blobs)
+                    packs |= late_packs
+                    stats.blobs_total += len(late)
+                    self._copy_objects(step, late_blobs, late_packs, stats, pack_ends)
             self.dst.sync({blob_path(b, c.codec).rsplit("/", 1)[0] for b, c in blobs.items()} |
                           {pack_path(p).rsplit("/", 1)[0] for p in packs - ranged})
             writes, marker_bytes, table = self._dst_metadata(step, commit_bytes, commit, manifests, ranged, new)
@@ -449,13 +474,109 @@ class StepCopier:
         for _, _, m in manifests:
             rep = set(m.replicated)
             for n in m.nodes:
-                if n.kind not in ("tensor", "ndarray", "npscalar", "dtensor"):
+                if n.kind not in _ARRAYS:
                     continue
                 ids = {c.blob_id for c in n.payload.chunks if c.pack is None}
-                plain = (n.kind != "dtensor" and n.path and n.path[0] not in rep
-                         and not any(tuple(n.path[:len(q)]) == tuple(q) for q in rank_local))
-                (shared if plain else own).update(ids)
+                (shared if _plain_shared(n, rep, rank_local) else own).update(ids)
         return shared - own
+
+    def _owned_elsewhere(self, step: int, commit: Commit, manifests, blobs, packs) -> Dict[Tuple[str, str], int]:
+        """The objects of this root's parts that another root uploads (issue 29: HSDP shards and identical packs
+        were PUT by every node holding them): ``("blob" | "pack", id) -> owner rank``, a rank whose parts this
+        root does not hold. Each chunk has an owner rank, the same whichever rank holding it asks: a DTensor
+        shard's is the rank holding the same box on rank 0's coordinates of the replicated mesh dims (the shard
+        map's rule, :meth:`ShardMap.ranks <ckptstore.format.shardmap.ShardMap.ranks>` with ``prefer=0``); a plain
+        value the map does not call rank-local is held alike by every rank (FORMAT.md "Shard map"): rank 0's;
+        anything else: the rank's own. An object (a blob, or a pack: the same bytes on two ranks packed alike)
+        is left to its owner when every chunk of it our ranks name has that one owner and the owner is not ours,
+        unless it is known to be on ``dst`` already (an earlier step's object costs nothing to keep).
+        An owner's own chunks are its own, so it never waits on another root for them. Empty without a readable
+        shard map (every root uploads what it holds, as before), and with every rank's parts here (one root)."""
+        mine = {r for r, _, _ in manifests}
+        if commit.shards is None or not manifests or mine >= set(commit.manifests):    # one root holds all
+            return {}
+        try:
+            smap = self.src_catalog.read_shard_map(commit)
+        except CheckpointError as e:
+            log.info("step %d: shard map unreadable (%s): this node uploads every object its parts name", step, e)
+            return {}
+        owners: Dict[Tuple[str, str], Set[int]] = {}
+        for r, _, m in manifests:
+            try:
+                smap.check_manifest(m, step)             # the map describes this manifest: its rule applies
+                walk = True
+            except CheckpointError:
+                walk = False
+            rep = set(m.replicated)
+            for n in m.nodes:
+                if n.kind not in _ARRAYS:
+                    continue
+                e, owner = n.payload, r
+                if n.kind == "dtensor":
+                    got = smap.ranks(n.path, tuple(e.shard.global_shape), (tuple(e.shard.offset), tuple(e.shape)),
+                                     0) if walk else None
+                    if got is not None and len(got) == 1:
+                        owner = got[0]
+                elif _plain_shared(n, rep, smap.rank_local):
+                    owner = 0
+                for c in e.chunks:
+                    owners.setdefault(("blob", c.blob_id) if c.pack is None else ("pack", c.pack), set()).add(owner)
+        with self._lock:                              # known there already (an earlier step's): nothing to leave
+            known = set(self.known_dst)
+        out = {k: next(iter(o)) for k, o in owners.items()
+               if len(o) == 1 and not o & mine and k not in known
+               and (k[1] in blobs if k[0] == "blob" else k[1] in packs)}
+        if out and commit.table is not None:
+            # a marker naming a manifest table (more than mtable.INLINE_ROWS ranks): this root names only its own
+            # ranks' rows, and an owner's manifest is confirmed by the digest of its row: only owners whose row
+            # this root holds can be waited for; the rest this node uploads itself, as before issue 29
+            try:
+                named = set(mtable.rows_here(commit.manifests))
+            except CheckpointError:
+                named = set()
+            out = {k: o for k, o in out.items() if o in named}
+        if out:
+            log.info("step %d: %d object(s) left to the root(s) of rank(s) %s, which hold them too", step, len(out),
+                     sorted(set(out.values())))
+        return out
+
+    def _await_owners(self, step: int, commit: Commit, deferred: Dict[Tuple[str, str], int],
+                      timeout: Optional[float]) -> Set[Tuple[str, str]]:
+        """Wait until each owner rank's manifest of ``deferred`` (see :meth:`_owned_elsewhere`) is on ``dst`` with
+        the digest the commit marker names: its node wrote it after every object it names (chunks, then
+        manifests), so the deferred objects it names are there. Returns the deferred objects not confirmed so:
+        those the owner's manifest does not name (replicas that differ, packs packed otherwise), and every one
+        still waiting after ``timeout`` seconds (default: the retry deadline; the owner's node is slow, dead or
+        failing): the caller uploads those itself. So a manifest of ours never reaches ``dst`` before the objects
+        it names, whatever the other roots do. Each round: one listing of the step's prefix (where the storage
+        lists sizes) and one bounded GET per owner manifest that appears with the marker's size."""
+        waiting: Dict[int, Set[Tuple[str, str]]] = {}
+        for key, owner in deferred.items():
+            waiting.setdefault(owner, set()).add(key)
+        late: Set[Tuple[str, str]] = set()
+        for owner in [o for o in waiting if o not in commit.manifests]:
+            late |= waiting.pop(owner)
+        for owner, data in self._arrivals(step, commit, sorted(waiting), timeout):
+            keys = waiting.pop(owner)
+            try:
+                m = decode_manifest(data, step=step, rank=owner, what=manifest_path(step, owner,
+                                                                                  commit.manifests[owner][2]))
+                have = {("blob", b) for b in m.blob_ids()} | {("pack", p) for p in m.pack_ids()}
+            except CheckpointError:
+                have = set()
+            with self._lock:
+                self.known_dst |= keys & have
+            late |= keys - have
+        if waiting:
+            log.warning("step %d: the manifests of rank(s) %s did not reach %s in %.0f s: this node uploads "
+                        "the %d object(s) it left to them", step, sorted(waiting), self.dst.url,
+                        self.retry.deadline if timeout is None else timeout, sum(len(k) for k in waiting.values()))
+            for keys in waiting.values():
+                late |= keys
+        if late:
+            log.info("step %d: %d object(s) left to other roots are not confirmed there: uploading them", step,
+                     len(late))
+        return late
 
     # -- ranged pulls -------------------------------------------------------------------------------------------
     def _ranged_packs(self, packs, ranges, pack_ends) -> Set[str]:
@@ -588,8 +709,24 @@ class StepCopier:
         size is this attempt's, written by its node after that node verified it against the marker's digest,
         and is not read back; a save then costs rank 0 one LIST per round (per 1,000 ranks) whatever the
         number of ranks. Storages that cannot list sizes are read rank by rank, one bounded GET each."""
-        deadline = time.monotonic() + (self.retry.deadline if timeout is None else timeout)
         missing = sorted(set(commit.manifests) - set(copied))
+        arrived = {r for r, _ in self._arrivals(step, commit, missing, timeout, trust_listing=fresh)}
+        missing = [r for r in missing if r not in arrived]
+        if missing:
+            raise UploadError(f"step {step}: the parts of rank(s) {missing} did not reach {self.dst.url} "
+                              "(their node has not uploaded them): the step is not committed there")
+
+    def _arrivals(self, step: int, commit: Commit, ranks: List[int], timeout: Optional[float],
+                  trust_listing: bool = False) -> Iterator[Tuple[int, Optional[bytes]]]:
+        """Poll ``dst`` for the manifests of ``ranks`` of ``step``, yielding ``(rank, bytes)`` as each is there
+        with the size and digest the commit marker names, until all are or ``timeout`` seconds (default: the
+        retry deadline) have passed (the caller tells the missing ones by what was not yielded). Each round: one
+        listing of the step's prefix with sizes, and one bounded GET per manifest newly listed with the
+        marker's size (every rank's, one by one, where the storage cannot list sizes); backoff 0.05 s -> 2 s.
+        ``trust_listing``: a manifest listed with the marker's size is taken without reading it (bytes
+        ``None``; see :meth:`_await_other_parts`)."""
+        deadline = time.monotonic() + (self.retry.deadline if timeout is None else timeout)
+        missing = sorted(ranks)
         delay = 0.05
         while missing:
             listed = self.call(lambda: self.dst.list_sizes(step_dir(step)), f"list step {step} of {self.dst.url}")
@@ -598,20 +735,19 @@ class StepCopier:
                 path = manifest_path(step, r, gen)
                 if listed is not None and listed.get(path.rsplit("/", 1)[1]) != size:
                     continue                       # not there yet (or not yet the bytes the marker names)
-                if listed is not None and fresh:
+                if listed is not None and trust_listing:
                     missing.remove(r)
+                    yield r, None
                     continue
                 try:
                     data = self.call(lambda p=path, n=size: self.dst.read_bytes(p, limit=n + 1), f"read {path}")
                 except FileNotFoundError:
                     continue
-                if len(data) == size and digest_bytes(data) == digest.hex():
+                if len(data) == size and digest_bytes(data) == digest.hex():   # else an earlier attempt's
                     missing.remove(r)
-            if not missing:
+                    yield r, data
+            if not missing or time.monotonic() >= deadline:
                 return
-            if time.monotonic() >= deadline:
-                raise UploadError(f"step {step}: the parts of rank(s) {missing} did not reach {self.dst.url} "
-                                  "(their node has not uploaded them): the step is not committed there")
             time.sleep(delay)
             delay = min(2.0, delay * 2)
 

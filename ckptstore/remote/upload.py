@@ -59,7 +59,8 @@ class Uploader:
     """Uploads the committed steps of one local root. ``parts_only``: the root of a node other than rank 0's
     (node-local disks): upload its ranks' parts only (chunks, then manifests); rank 0's uploader writes the
     remote commit marker and pointer once every rank's part is there. Rank 0's uploader copies the parts its
-    own root holds and then waits for the others' (see :meth:`StepCopier.copy_step`).
+    own root holds and then waits for the others' (see :meth:`StepCopier.copy_step`). An object several roots
+    hold is uploaded by one of them (issue 29; FORMAT.md "Distributed saves": one uploader per object).
 
     Callbacks, on the uploader's thread (the uploader counts as busy while they run): ``on_uploaded(step)``
     after each upload; ``on_derived()`` once the work is derived from the two stores (at start-up, and again

@@ -28,7 +28,7 @@ import math
 
 import pytest
 
-from countproxy import CountingProxy, measure  # noqa: E402
+from countproxy import measure  # noqa: E402
 
 pytestmark = pytest.mark.remote
 
@@ -39,14 +39,6 @@ PACK = 64 << 20
 def budget(ranks: int, unique_bytes: int) -> int:
     nodes = math.ceil(ranks / PER_NODE)
     return 2 * ranks + math.ceil(unique_bytes / PACK) + 5 * nodes + 6
-
-
-@pytest.fixture
-def proxy(s3_server):
-    if s3_server.is_external:
-        pytest.skip("counts requests through a proxy in front of the loopback moto server")
-    with CountingProxy(s3_server.port) as p:
-        yield p
 
 
 def lists(requests):
