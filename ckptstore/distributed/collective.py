@@ -36,6 +36,7 @@ import datetime
 import itertools
 import logging
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import msgpack
@@ -80,6 +81,13 @@ class Coordinator:
         :meth:`decide` op) the last reader deletes. Raises :class:`CollectiveTimeout` naming rank 0 when it does
         not come within ``timeout`` s."""
         raise NotImplementedError
+
+    def await_readers(self, op: str, timeout: float) -> bool:
+        """Rank 0, after :meth:`broadcast` of ``op``: wait up to ``timeout`` s until every other rank has read it.
+        Before rank 0 raises an error it broadcast: its process may exit then, and with it the key-value store
+        the others read from (a rank still polling got "connection reset" instead of the message). Returns
+        whether every rank read it."""
+        return True
 
     def decide(self, op: str, proposal: str) -> str:
         """Atomically settle ``op`` once: the first proposal any rank makes wins; every call returns the
@@ -194,6 +202,17 @@ class StoreCoordinator(Coordinator):
         except Exception as e:
             log.debug("could not count the readers of %s: %s", key, e)
         return msgpack.unpackb(data, raw=False)
+
+    def await_readers(self, op, timeout):
+        key, deadline = f"{op}/bcast", time.monotonic() + timeout
+        while self.world_size > 1 and time.monotonic() < deadline:
+            try:
+                if not self._kv.check([key]):       # the last reader deleted it: every rank has it
+                    return True
+            except Exception:                       # the store itself is gone: nothing left to wait for
+                return False
+            time.sleep(0.02)
+        return self.world_size <= 1
 
     def decide(self, op, proposal):
         return self._kv.compare_set(f"{op}/decision", "", proposal).decode()

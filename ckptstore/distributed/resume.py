@@ -78,6 +78,9 @@ def first_valid_step(list_candidates: Callable[[], List[Tier]], attempt: Callabl
     return None
 
 
+READERS_WAIT = 30.0       # seconds rank 0 waits for every rank to read an error it broadcast before raising it
+
+
 def _discovered(listing: Callable[[], List[Tier]], coord: Optional[Coordinator], tag: str,
                 timeout: float) -> List[Tier]:
     """``listing()`` on rank 0, broadcast to every rank (discovery once). A listing that raises on rank 0 is
@@ -96,6 +99,7 @@ def _discovered(listing: Callable[[], List[Tier]], coord: Optional[Coordinator],
                    "transfer": isinstance(e, TransferError)}
     got = coord.broadcast(tag, msg, timeout)
     if error is not None:
+        coord.await_readers(tag, min(timeout, READERS_WAIT))     # the caller's process may exit on it
         raise error
     if got["steps"] is None:
         cls = TransferError if got.get("transfer") else CheckpointError
@@ -126,6 +130,8 @@ def agree_outcome(coord: Coordinator, tag: str, step: int, error: Optional[BaseE
     if verdict["ok"]:
         return None, False
     if verdict["fatal"]:
+        if coord.rank == 0:               # the resume raises next: deliver the verdict before this process may exit
+            coord.await_readers(f"{tag}/verdict", min(timeout, READERS_WAIT))
         if fatal:
             return error, True
         cls = TransferError if verdict["transfer"] else IncompatibleCheckpointError
