@@ -26,9 +26,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import numpy as np
 import torch.distributed as dist
 
-from ckptstore.format import shardmap
 from ckptstore.distributed.collective import StoreCoordinator
-from ckptstore.distributed.commit import agree_commit, commit_across_ranks, make_part, root_identity
+from ckptstore.distributed.commit import agree_commit, commit_across_ranks, make_part, part_extra, root_identity
 from ckptstore.format.blobs import digest_bytes
 from ckptstore.format.layout import table_path
 from ckptstore.format.manifest import ArrayEntry, ChunkRef, Commit, Manifest, ManifestNode, decode_commit
@@ -210,8 +209,8 @@ class SimJob:
                 root[table_path(step, bytes.fromhex(digest_bytes(table)))] = table
             root[f"{step}/COMMIT"] = data
 
-        def write_rows(digest, rows):
-            path, data = encode_rows(step, digest, rows)
+        def write_rows(digest, rows, refs=None):
+            path, data = encode_rows(step, digest, rows, refs)
             root[path] = data
 
         def write_map(gen, data):
@@ -222,11 +221,8 @@ class SimJob:
     def part_of(self, r: int, step: int, error: Optional[BaseException] = None) -> Dict[str, Any]:
         """The part rank ``r`` sends (computed from its manifest when ``full`` or sampled)."""
         m = llama_manifest(self.shape, r, self.n, self.grid, step)
-        lay, rule = shardmap.layout(m, r)
-        _, gk, gd = shardmap.plain_groups(m)
         return make_part((_blob("manifest", r, step)[:32].encode(), 4096 + r, 0), m.bytes_total, error,
-                         root_identity(None) + self.roots[r].encode(),
-                         {"layout": lay, "rule": rule, "rep": shardmap.replicated_digest(m), "gk": gk, "gd": gd})
+                         root_identity(None) + self.roots[r].encode(), part_extra(step, self.n, m)[0])
 
     def run_rank(self, r: int, step: int, timeout: float, out: Outcome, error: Optional[BaseException] = None,
                  ready: Optional[threading.Barrier] = None):
@@ -253,7 +249,8 @@ class SimJob:
                 def write_copy(message):
                     if message.get("rows"):             # a marker naming a table: this root's rows
                         table = decode_commit(message["commit"], step=step, what="COMMIT").table
-                        write_rows(table.digest, {q: (d, s, g) for q, d, s, g in message["rows"]})
+                        write_rows(table.digest, {q: (d, s, g) for q, d, s, g in message["rows"]},
+                                   {q: (d, s, g) for q, d, s, g in message.get("refs") or []})
                     write_marker(message["commit"])
                 out.wrote_marker = agree_commit(coord, tag, step, part, timeout=timeout,
                                                 write_commit=None, write_copy=write_copy)

@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import msgpack
 
-from ..format import shardmap
+from ..format import mtable, shardmap
 from ..format.blobs import digest_bytes
 from .collective import CollectiveTimeout, Coordinator
 from ..util.errors import CheckpointError
@@ -57,6 +57,8 @@ class CommitError(CheckpointError):
         super().__init__(f"step {step} was not committed (nothing was made visible): {what}")
 
 
+MAX_OWNERS = 16                  # owner ranks one part may name (shardmap.owner_ranks' limit)
+MAX_OWNERS_PER_ROOT = 256        # owner ranks of one root whose rows its leader gets (48 bytes each)
 MAX_LISTED = 4                   # failing ranks a verdict names (with their errors); the rest are counted
 MAX_ERROR = 160                  # characters of each listed error in the verdict (the part carries 2000)
 
@@ -101,6 +103,7 @@ class _Fold:
         self.own: Optional[bytes] = None
         self.first: Dict[bytes, int] = {}
         self.roots: Dict[bytes, List[int]] = {}     # root -> its ranks (a leader gets their manifest rows)
+        self.owners: Dict[bytes, Optional[set]] = {}   # root -> ranks owning chunks its ranks hold (None: too many)
 
     def fail(self, r, msg: str) -> None:
         self.nfail += 1
@@ -126,12 +129,25 @@ class _Fold:
             self.own = where
         self.first.setdefault(where, r)
         self.roots.setdefault(where, []).append(r)
+        owners = p.get("owners")
+        held = self.owners.setdefault(where, set())
+        if isinstance(owners, list) and held is not None:
+            held.update(o for o in owners[:MAX_OWNERS] if isinstance(o, int) and not isinstance(o, bool))
+            if len(held) > MAX_OWNERS_PER_ROOT:     # bounded message: past this, the root confirms nothing
+                self.owners[where] = None
 
     def rows_of(self, leader: int, where: Optional[bytes] = None) -> List[List[Any]]:
         """The manifest rows ``[rank, digest, size, generation]`` of the ranks sharing ``leader``'s root."""
         if where is None:
             where = next(w for w, r in self.first.items() if r == leader)
         return [[q, *self.manifests[q]] for q in self.roots[where]]
+
+    def owner_rows_of(self, leader: int, where: bytes) -> List[List[Any]]:
+        """The manifest rows of the ranks owning chunks that ``leader``'s root holds too (their parts' uploads
+        are left to those ranks' roots, which a node confirms by these rows), other than the root's own."""
+        own = set(self.roots[where])
+        return [[q, *self.manifests[q]] for q in sorted(self.owners.get(where) or ())
+                if q not in own and q in self.manifests]
 
     def leaders(self) -> List[int]:
         """The lowest rank of each root other than rank 0's (those roots need their own commit marker)."""
@@ -182,7 +198,9 @@ def agree_commit(coord: Coordinator, tag: str, step: int, part: Dict[str, Any], 
                 by_leader = {r: w for w, r in fold.first.items()}
                 for r in fold.leaders():            # before the verdict: a leader looks once it has it
                     # a marker naming a manifest table: the leader gets its own root's rows, not the table
-                    rows = {"rows": fold.rows_of(r, by_leader[r])} if table else {}
+                    # and the rows of the owners of chunks its ranks hold too (see commit_across_ranks)
+                    rows = {"rows": fold.rows_of(r, by_leader[r]),
+                            "refs": fold.owner_rows_of(r, by_leader[r])} if table else {}
                     coord.send_to(f"{tag}/lead", r, {"commit": marker, **extra, **rows})
             coord.broadcast(f"{tag}/verdict", verdict, timeout, drop=[f"{tag}/decision"])
         except Exception as e:
@@ -238,11 +256,25 @@ def _rank(k: str):
         return k
 
 
+def part_extra(step: int, world_size: int, manifest: Manifest) -> Tuple[Dict[str, Any], List[Any]]:
+    """What a rank's part carries from its manifest (the shard map's inputs: layout digest, rule bit, replicated
+    keys' digest, plain-value groups; past ``mtable.INLINE_ROWS`` ranks its owner ranks, see
+    :meth:`_Fold.owner_rows_of`), and its plain-value groups (rank 0's fold starts from them)."""
+    lay, rule = shardmap.layout(manifest, manifest.rank)
+    groups, gk, gd = shardmap.plain_groups(manifest)
+    extra = {"layout": lay, "rule": rule, "rep": shardmap.replicated_digest(manifest), "gk": gk, "gd": gd}
+    if rule and world_size > mtable.INLINE_ROWS:      # a marker naming a table: see owner_rows_of
+        owners = shardmap.owner_ranks(step, world_size, manifest, MAX_OWNERS)
+        if owners:
+            extra["owners"] = owners
+    return extra, groups
+
+
 def commit_across_ranks(coord: Coordinator, tag: str, step: int, *, manifest: Optional[Manifest], own_digest,
                         bytes_total: int, error: Optional[BaseException], where: bytes, timeout: float,
                         new_commit: Callable[[Dict[int, Tuple[bytes, int, int]], int], Commit],
                         write_marker: Callable[[bytes, Optional[bytes]], None],
-                        write_rows: Callable[[bytes, Dict[int, Tuple[bytes, int, int]]], None],
+                        write_rows: Callable[..., None],
                         write_map: Callable[[int, bytes], Tuple[bytes, int, int]], gen: int,
                         adopt_run_id: Callable[[str], None],
                         on_table: Optional[Callable[[bytes], None]] = None) -> bool:
@@ -251,16 +283,16 @@ def commit_across_ranks(coord: Coordinator, tag: str, step: int, *, manifest: Op
     :func:`agree_commit`, and on rank 0 / a leader the shard map and commit marker through ``write_map(gen,
     bytes) -> ref`` and ``write_marker(bytes, table bytes or None)`` (the manifest table of a marker of more than
     ``mtable.INLINE_ROWS`` ranks, written before the marker); a leader writes its root's manifest rows through
-    ``write_rows(table digest, rows)`` before the marker; ``new_commit(manifest table, bytes total)`` makes the
+    ``write_rows(table digest, rows, refs)`` before the marker (``refs``: the rows of the ranks owning chunks its
+    ranks hold too, from :func:`shardmap.owner_ranks`, each rank's part naming its owners past
+    ``mtable.INLINE_ROWS`` ranks: the root's uploader confirms the objects it leaves to them by those rows); ``new_commit(manifest table, bytes total)`` makes the
     marker's contents. ``on_table(table digest)``: every rank, once committed, when the marker names a manifest
     table (the verdict carries its digest: the memory tier writes the rows of the replicas this rank took).
     Returns whether this rank wrote a commit marker. Raises :class:`CommitError` (from ``error``)."""
     extra: Dict[str, Any] = {}
     groups: List[Any] = []
     if manifest is not None:
-        lay, rule = shardmap.layout(manifest, coord.rank)
-        groups, gk, gd = shardmap.plain_groups(manifest)
-        extra = {"layout": lay, "rule": rule, "rep": shardmap.replicated_digest(manifest), "gk": gk, "gd": gd}
+        extra, groups = part_extra(step, coord.world_size, manifest)
     part = make_part(own_digest, bytes_total, error, where, extra)
     fold = shardmap.RankLocalFold(groups, extra.get("gk"), extra.get("gd")) if coord.rank == 0 else None
     regular = [manifest is not None and extra["rule"]]     # every rank's boxes follow the rule, alike
@@ -308,7 +340,8 @@ def commit_across_ranks(coord: Coordinator, tag: str, step: int, *, manifest: Op
                 log.warning("step %d: this root's shard map differs from rank 0's: not written", step)
         rows = message.get("rows") or []
         if decoded.table is not None and rows:
-            write_rows(decoded.table.digest, {int(q): (d, int(sz), int(g)) for q, d, sz, g in rows})
+            refs = {int(q): (d, int(sz), int(g)) for q, d, sz, g in message.get("refs") or []}
+            write_rows(decoded.table.digest, {int(q): (d, int(sz), int(g)) for q, d, sz, g in rows}, refs)
         write_marker(data, None)
 
     def adopt(verdict):                               # rank 0's run id, on every rank, from the first commit

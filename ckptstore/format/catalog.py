@@ -223,20 +223,21 @@ class Catalog:
         """Write a manifest table (before the marker naming it); ``None``: nothing to write."""
         mtable.write_files(self.storage, step, table)
 
-    def write_rows(self, step: int, digest: bytes, rows) -> None:
+    def write_rows(self, step: int, digest: bytes, rows, refs=None) -> None:
         """Write a rows file: ``rows`` (rank -> (digest, size, generation)) of the table ``digest`` names, into
-        a root holding those ranks' parts but not the table (before the marker). A rows file of the same name
+        a root holding those ranks' parts but not the table (before the marker), and ``refs``: rows of owner
+        ranks whose parts it does not hold (see :func:`mtable.encode_rows`). A rows file of the same name
         (named by its lowest rank: a leader's, then the same rank's pull or rebuild) keeps its other rows: the
         file becomes the union, never fewer rows than the root could name before."""
         rows = dict(rows)
         path, _ = mtable.encode_rows(step, digest, rows)
         try:
-            old = mtable.decode_rows(self.storage.read_bytes(path, limit=mtable.MAX_ROWS_FILE_BYTES), step, digest,
-                                     1 << 31, path)
+            old, old_refs = mtable.decode_rows_file(self.storage.read_bytes(path, limit=mtable.MAX_ROWS_FILE_BYTES),
+                                                    step, digest, 1 << 31, path)
         except (FileNotFoundError, CorruptCheckpointError):
-            old = {}                                    # none, or damaged: replaced by what is known now
+            old, old_refs = {}, {}                      # none, or damaged: replaced by what is known now
         rows = {**old, **rows}                          # the same lowest rank: the same name
-        self.storage.write_atomic(*mtable.encode_rows(step, digest, rows))
+        self.storage.write_atomic(*mtable.encode_rows(step, digest, rows, {**old_refs, **(refs or {})}))
 
     def write_commit_bytes(self, step: int, data: bytes) -> None:
         """Write a commit marker given as bytes (rank 0's, copied into another rank's root); checked first."""

@@ -110,26 +110,40 @@ def parse_rows(data: bytes, first: int) -> Dict[int, Row]:
     return rows
 
 
-def encode_rows(step: int, digest: bytes, rows: Dict[int, Row]) -> Tuple[str, bytes]:
-    """A rows file (path, bytes): ``rows`` (rank -> row) of the table named ``digest``."""
+def encode_rows(step: int, digest: bytes, rows: Dict[int, Row],
+                refs: Optional[Dict[int, Row]] = None) -> Tuple[str, bytes]:
+    """A rows file (path, bytes): ``rows`` (rank -> row) of the table named ``digest``, whose parts the root
+    holds, and ``refs``: rows of ranks whose parts it does not hold (owners of chunks it holds too: its
+    uploader confirms those chunks by the owners' manifests; FORMAT.md "Manifest table")."""
     from .manifest import frame
     body = {"step": step, "table": digest, "rows": [[r, *_check_row(r, rows[r])] for r in sorted(rows)]}
+    refs = {r: row for r, row in (refs or {}).items() if r not in rows}
+    if refs:
+        body["refs"] = [[r, *_check_row(r, refs[r])] for r in sorted(refs)]
     return rows_path(step, digest, min(rows)), frame("rows", body, TABLE_FORMAT)
 
 
 def decode_rows(data: bytes, step: int, digest: bytes, world_size: int, what: str) -> Dict[int, Row]:
     """A rows file's rows; ``CorruptCheckpointError`` when damaged or naming another table."""
+    return decode_rows_file(data, step, digest, world_size, what)[0]
+
+
+def decode_rows_file(data: bytes, step: int, digest: bytes, world_size: int,
+                     what: str) -> Tuple[Dict[int, Row], Dict[int, Row]]:
+    """A rows file's rows and refs (see :func:`encode_rows`); ``CorruptCheckpointError`` when damaged or naming
+    another table."""
     from .manifest import unframe
     body, _ = unframe(data, "rows", what=what, step=step)
     try:
         if body.get("step") != step or body.get("table") != digest:
             raise ValueError("names another step or table")
-        out = {}
-        for raw in body.get("rows") or []:
-            if not isinstance(raw, list) or len(raw) != 4 or isinstance(raw[0], bool) \
-                    or not isinstance(raw[0], int) or not 0 <= raw[0] < world_size:
-                raise ValueError(f"bad row {raw!r:.80}")
-            out[raw[0]] = _check_row(raw[0], raw[1:])
+        out: Tuple[Dict[int, Row], Dict[int, Row]] = ({}, {})
+        for field, got in zip(("rows", "refs"), out):
+            for raw in body.get(field) or []:
+                if not isinstance(raw, list) or len(raw) != 4 or isinstance(raw[0], bool) \
+                        or not isinstance(raw[0], int) or not 0 <= raw[0] < world_size:
+                    raise ValueError(f"bad row {raw!r:.80}")
+                got[raw[0]] = _check_row(raw[0], raw[1:])
         return out
     except (ValueError, TypeError) as e:
         raise CorruptCheckpointError(f"invalid rows file: {e}", step=step, blob=what) from None
@@ -151,6 +165,7 @@ class ManifestTable(Mapping):
         self._rows: Dict[int, Row] = {}
         self._pages = set()
         self._local: Optional[Dict[int, Row]] = None
+        self._refs: Dict[int, Row] = {}
         self._index: Optional[bytes] = None
         self.pages_read = 0                      # pages read from the storage (figures, tests)
 
@@ -193,6 +208,8 @@ class ManifestTable(Mapping):
         local = self.local_rows()
         if r in local:
             return local[r]
+        if r in self._refs:               # an owner's row, for confirming its manifest elsewhere
+            return self._refs[r]
         raise CorruptCheckpointError(f"manifest table missing and no rows file holds rank {r}", step=self.step,
                                      blob=self.path)
 
@@ -233,9 +250,11 @@ class ManifestTable(Mapping):
         self._pages.add(p)
 
     def local_rows(self) -> Dict[int, Row]:
-        """The rows the root's rows files hold (read once: they are small and name few ranks)."""
+        """The rows the root's rows files hold (read once: they are small and name few ranks); their refs
+        (other ranks' rows, not held here) are kept aside for ``table[r]``."""
         if self._local is None:
             local: Dict[int, Row] = {}
+            refs: Dict[int, Row] = {}
             tag = table_tag(self.ref.digest)
             sd = self.dir
             for name in sorted(self.storage.listdir(sd)):
@@ -245,8 +264,11 @@ class ManifestTable(Mapping):
                         data = self.storage.read_bytes(path, limit=MAX_ROWS_FILE_BYTES)
                     except FileNotFoundError:
                         continue
-                    local.update(decode_rows(data, self.step, self.ref.digest, self.world_size, path))
+                    got, other = decode_rows_file(data, self.step, self.ref.digest, self.world_size, path)
+                    local.update(got)
+                    refs.update(other)
             self._local = local
+            self._refs = {r: row for r, row in refs.items() if r not in local}
         return self._local
 
     def rows_here(self) -> Dict[int, Row]:

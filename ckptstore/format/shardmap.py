@@ -347,6 +347,31 @@ def build_rule(step: int, world_size: int, m: Manifest, rank_local: Optional[Lis
                             "rank_local": None if rank_local is None else [list(p) for p in rank_local]})
 
 
+def owner_ranks(step: int, world_size: int, m: Manifest, limit: int = 16) -> Optional[List[int]]:
+    """The ranks other than ``m.rank`` that own a chunk of ``m``'s sharded keys by the map's rule (for each
+    shard the rank holding the same box on rank 0's coordinates of the replicated mesh dims: what
+    :meth:`ShardMap.ranks` gives with ``prefer=0``), plus rank 0 (the owner of plain values every rank holds
+    alike), sorted; ``None`` when ``m``'s layout does not follow torch's rule or more than ``limit`` ranks own
+    its chunks. An uploader of a node-local root leaves those chunks to their owner's root and confirms them by
+    the owner's manifest row (issue 29: past ``mtable.INLINE_ROWS`` ranks a root holds only its own ranks'
+    rows, so its leader is given these owners' rows too). Cost: O(``m``'s sharded keys), no I/O."""
+    if not layout(m, m.rank)[1]:
+        return None
+    smap = ShardMap.decode(build_rule(step, world_size, m, None), step=step, world_size=world_size,
+                           what="this rank's shard map")
+    out = {0}
+    for n in m.nodes:
+        if n.kind == "dtensor":
+            e = n.payload
+            got = smap.ranks(n.path, tuple(e.shard.global_shape), (tuple(e.shard.offset), tuple(e.shape)), 0)
+            if got is not None and len(got) == 1:
+                out.add(got[0])
+                if len(out) > limit + 1:
+                    return None
+    out.discard(m.rank)
+    return sorted(out)
+
+
 class _Rule:
     """The rule half of a map: per key (mesh index, global shape, parsed placements or None), per mesh (shape,
     rank grid). A mesh with more dims than a key's placements lists the slices of a sub-mesh: the leading dims

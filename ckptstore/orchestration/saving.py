@@ -424,7 +424,7 @@ class Saver:
                 error=error, where=root_identity(p.storage.local_path("")), timeout=p.collective_timeout,
                 new_commit=lambda manifests, total: self._new_commit(step, manifests, total, metrics),
                 write_marker=lambda data, table: self._write_commit_marker(step, data, table),
-                write_rows=lambda digest, rows: p.catalog.write_rows(step, digest, rows),
+                write_rows=lambda digest, rows, refs: p.catalog.write_rows(step, digest, rows, refs),
                 write_map=lambda gen, data: p.catalog.write_shard_map(step, gen, data), gen=self._gen,
                 adopt_run_id=p.adopt_run_id,
                 on_table=None if self.after_table is None else (lambda digest: self.after_table(step, digest)))

@@ -527,18 +527,23 @@ class StepCopier:
                if len(o) == 1 and not o & mine and k not in known
                and (k[1] in blobs if k[0] == "blob" else k[1] in packs)}
         if out and commit.table is not None:
-            # a marker naming a manifest table (more than mtable.INLINE_ROWS ranks): this root names only its own
-            # ranks' rows, and an owner's manifest is confirmed by the digest of its row: only owners whose row
-            # this root holds can be waited for; the rest this node uploads itself, as before issue 29
-            try:
-                named = set(mtable.rows_here(commit.manifests))
-            except CheckpointError:
-                named = set()
-            out = {k: o for k, o in out.items() if o in named}
+            # a marker naming a manifest table (more than mtable.INLINE_ROWS ranks): this root holds its own
+            # ranks' rows and, from its leader, the owners' (rows files' refs); an owner's manifest is confirmed
+            # by the digest of its row: objects of an owner whose row is not here this node uploads itself
+            known = {o for o in set(out.values()) if self._row_known(commit, o)}
+            out = {k: o for k, o in out.items() if o in known}
         if out:
             log.info("step %d: %d object(s) left to the root(s) of rank(s) %s, which hold them too", step, len(out),
                      sorted(set(out.values())))
         return out
+
+    @staticmethod
+    def _row_known(commit: Commit, rank: int) -> bool:
+        try:
+            commit.manifests[rank]
+            return True
+        except (CheckpointError, KeyError):
+            return False
 
     def _await_owners(self, step: int, commit: Commit, deferred: Dict[Tuple[str, str], int],
                       timeout: Optional[float]) -> Set[Tuple[str, str]]:

@@ -60,6 +60,32 @@ def test_a_reader_of_one_row_reads_one_page_and_checks_it():
         again.manifests[0]
 
 
+def test_a_rows_file_names_its_root_s_rows_and_its_owners_rows_apart(tmp_path):
+    """A node-local root's rows file: the rows of the parts it holds (``rows_here``: what its uploader copies)
+    and, apart, refs: rows of owner ranks whose parts are elsewhere (found by ``table[r]``, so an uploader can
+    confirm an owner's manifest on the remote by its digest), never counted as held. A same-named rows file
+    written later (a pull, a rebuild) keeps both; a reader from before refs reads the rows alone."""
+    from ckptstore.format.catalog import Catalog
+    from ckptstore.storage.local import LocalStorage
+    n = 5 * mtable.ROWS_PER_PAGE + 7
+    data, _ = encode_commit_files(commit(n))
+    digest = decode_commit(data, step=9, what="COMMIT").table.digest
+    want = rows(n)
+    storage = LocalStorage(str(tmp_path))
+    cat = Catalog(storage)
+    cat.write_rows(9, digest, {8: want[8], 9: want[9]}, {0: want[0], 200: want[200], 9: want[9]})
+    cat.write_rows(9, digest, {8: want[8], 10: want[10]})                   # same name (rank 8): merged
+    got = decode_commit(data, step=9, what="COMMIT").manifests.bind(storage)
+    assert mtable.rows_here(got) == {r: want[r] for r in (8, 9, 10)}       # refs are not held here
+    assert got[200] == want[200] and got[0] == want[0]                     # but found for confirming
+    with pytest.raises(CorruptCheckpointError, match="no rows file holds rank 1"):
+        got[1]
+    path, raw = mtable.encode_rows(9, digest, {8: want[8]}, {0: want[0]})
+    assert mtable.decode_rows(raw, 9, digest, n, path) == {8: want[8]}
+    body = msgpack.unpackb(msgpack.unpackb(raw, raw=False)["body"], raw=False)
+    assert [r[0] for r in body["rows"]] == [8] and [r[0] for r in body["refs"]] == [0]
+
+
 def test_readers_from_before_the_table_refuse_its_marker_as_too_new(monkeypatch):
     data = encode_commit(commit(mtable.INLINE_ROWS + 1))
     monkeypatch.setattr(manifest_mod, "READ_FORMATS", {})                     # what such a reader checks

@@ -22,12 +22,18 @@ from faultproxy import FaultProxy  # noqa: E402
 pytestmark = [pytest.mark.remote, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("state", ["hsdp", "ddp"])
-def test_an_object_several_nodes_hold_is_put_once_per_save(tmp_path, s3_bucket_url, proxy, state):
+@pytest.mark.parametrize("state", ["hsdp", "ddp", "hsdp-table"])
+def test_an_object_several_nodes_hold_is_put_once_per_save(tmp_path, s3_bucket_url, proxy, state, monkeypatch):
     """Two saves of a 2-node job: every blob and pack is PUT by one node only (before issue 29: by each node
     holding it, 2 PUTs of every HSDP object, of the DDP packs), and a job on empty disks resumes the newest
-    step from the remote, bit for bit (the worker checks its values)."""
+    step from the remote, bit for bit (the worker checks its values). ``hsdp-table``: the same with commit
+    markers naming a manifest table (as past 512 ranks: ``CKPTSTORE_INLINE_ROWS=0``), where a node-local root
+    holds only its own ranks' rows: its leader also gets the rows of the owners its ranks' objects are left to
+    (before: it could confirm no owner's manifest and uploaded everything itself)."""
     url, so = s3_bucket_url
+    if state.endswith("-table"):
+        monkeypatch.setenv("CKPTSTORE_INLINE_ROWS", "0")
+        state = state[:-len("-table")]
     got = measure(proxy, url, so, str(tmp_path), 4, per_node=2, steps=2, shared_kib=4200, state=state)
     for k in (1, 2):
         puts = object_puts(got[f"requests_save{k}"])
