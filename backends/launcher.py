@@ -239,16 +239,6 @@ def _process_group_pids(pgid: int) -> list[int]:
     return pids
 
 
-def _decode_proc_addr(hexaddr: str) -> tuple[str, int]:
-    host, port = hexaddr.split(":")
-    raw = bytes.fromhex(host)
-    if len(raw) == 4:
-        ip = socket.inet_ntop(socket.AF_INET, raw[::-1])
-    else:
-        ip = socket.inet_ntop(socket.AF_INET6, b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4)))
-    return ip, int(port, 16)
-
-
 def _proc_entries(pids: list[int], sub: str) -> Iterator[tuple[int, str]]:
     """``(pid, name)`` for every entry of ``/proc/<pid>/<sub>`` (``fd``, ``task``) of ``pids``; a process that is
     gone (or no /proc) yields nothing."""
@@ -272,20 +262,15 @@ def open_files(pids: list[int]) -> Iterator[tuple[str, str]]:
 
 
 def listening_addresses(pids: list[int]) -> list[tuple[str, int]]:
-    """(ip, port) of every listening TCP socket owned by ``pids`` (Linux /proc only)."""
-    inodes = {target[8:-1] for _, target in open_files(pids) if target.startswith("socket:[")}
+    """(ip, port) of every listening TCP socket owned by ``pids`` (psutil); a process that is gone has none."""
+    import psutil
     out: set[tuple[str, int]] = set()
     for pid in pids:
-        for table in ("tcp", "tcp6"):
-            try:
-                with open(f"/proc/{pid}/net/{table}") as f:
-                    lines = f.read().splitlines()[1:]
-            except OSError:
-                continue
-            for line in lines:
-                parts = line.split()
-                if len(parts) > 9 and parts[3] == "0A" and parts[9] in inodes:  # 0A = LISTEN
-                    out.add(_decode_proc_addr(parts[1]))
+        try:
+            conns = psutil.Process(pid).net_connections(kind="tcp")
+        except psutil.Error:
+            continue
+        out.update((c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN)
     return sorted(out)
 
 

@@ -63,31 +63,13 @@ def finish() -> None:
     leave_now()
 
 
-def tcp_connections(pid: str = "self", exclude_port: Optional[int] = None) -> set:
-    """The established TCP connections process ``pid`` holds, as ``(local port, remote port)`` pairs (Linux:
-    its socket fds in ``/proc/<pid>/fd`` matched against ``/proc/<pid>/net/tcp`` and ``tcp6``), leaving out
-    those with ``exclude_port`` at either end (e.g. the c10d store's, ``MASTER_PORT``): what a rank opened to
-    its peers, for the tests and benchmarks that count connections."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
+def tcp_connections(pid: Optional[int] = None, exclude_port: Optional[int] = None) -> set:
+    """The established TCP connections process ``pid`` (default: this one) holds, as ``(local port, remote
+    port)`` pairs (psutil), leaving out those with ``exclude_port`` at either end (e.g. the c10d store's,
+    ``MASTER_PORT``): what a rank opened to its peers, for the tests and benchmarks that count connections."""
+    import psutil
     out = set()
-    for table in ("tcp", "tcp6"):
-        try:
-            with open(f"/proc/{pid}/net/{table}") as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            cols = row.split()
-            if len(cols) < 10 or cols[3] != "01" or cols[9] not in inodes:     # 01: ESTABLISHED
-                continue
-            local, remote = (int(cols[i].rsplit(":", 1)[1], 16) for i in (1, 2))
-            if exclude_port not in (local, remote):
-                out.add((local, remote))
+    for c in psutil.Process(pid).net_connections(kind="tcp"):
+        if c.status == psutil.CONN_ESTABLISHED and c.raddr and exclude_port not in (c.laddr.port, c.raddr.port):
+            out.add((c.laddr.port, c.raddr.port))
     return out

@@ -2,7 +2,7 @@
 
 4 ranks as 2 "nodes" (node = rank // 2) run tests/memtier_worker.py (DDP over gloo on 127.0.0.1, launched like
 torchrun) for 2 steps saved to the memory tier with ``replicas=1``: each rank's ring peer is the rank with its
-local index on the other node. Each rank counts its established TCP connections (``/proc/self/net/tcp``)
+local index on the other node. Each rank counts its established TCP connections (psutil)
 other than the c10d store's and those open before ``Store()`` (the training's default gloo group): what
 ckptstore opened to peers. A full gloo mesh opens ``world_size - 1 = 3`` at ``Store()``.
 """
