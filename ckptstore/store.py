@@ -130,7 +130,7 @@ class Store:
         self.memory = memory
         self._tier: Optional[MemoryTier] = None if memory is None else MemoryTier(
             memory, disk=p, disk_saver=self._saver, disk_loader=self._loader, writing=writing, config=config,
-            config_may_change=config_may_change, on_rewind=on_rewind)
+            config_may_change=config_may_change, on_rewind=on_rewind, disk_maintenance=self._maintenance)
         # saves and reads go to the memory tier when there is one (it falls back to disk)
         self._saves = self._saver if self._tier is None else self._tier
         self._reads = self._loader if self._tier is None else self._tier
@@ -236,8 +236,8 @@ class Store:
         """The best committed step of the run, derived from the commit markers (so it survives restarts): by
         ``keep``'s metric / mode when set, else by the criterion the newest commit marker records; local steps
         and, with ``remote``, the remote's (``keep_local`` may hold fewer locally). ``None``: no criterion,
-        or no step has the metric."""
-        return self._loader.best_step()
+        or no step has the metric. With ``memory``, the memory root's steps count too."""
+        return self._reads.best_step()
 
     @_guard()
     def load(self, step: Optional[int] = None, map_location: MapLocation = "cpu", *,
@@ -344,23 +344,23 @@ class Store:
     @_guard()
     def verify(self, step: Optional[int] = None) -> Dict[int, Optional[str]]:
         """Check every blob of the given step (default: all committed steps) by reading and hashing it.
-        Returns step -> ``None`` (valid) or the error message. Reads every byte; nothing is loaded."""
-        return self._maintenance.verify(step)
+        Returns step -> ``None`` (valid) or the error message (``memory: ...`` for a damaged copy in the memory
+        root, whose steps ``memory`` adds). Reads every byte; nothing is loaded."""
+        return (self._tier or self._maintenance).verify(step)
 
     @_guard(write="delete_step")
     def delete_step(self, step: int, *, remote: bool = True, force: bool = False) -> None:
         """Remove a step the trainer no longer wants (Lightning's top-k rotation, torchtitan's
         ``keep_latest_k``): locally at once (commit marker first; its blobs are freed by the next retention
-        sweep or :meth:`gc`), and with ``remote=True`` from the remote this store uploads to, on the uploader's
-        thread once the uploads of the steps committed before this call are done (a waiting upload of the step
-        is dropped, for good; a failure is raised like an upload's). Durable once it returns: recorded in the
-        local root first, a SIGKILL loses nothing, the next writer finishes it. A missing step is a no-op.
-
-        Raises ``CheckpointError`` for the newest committed step (local or on the remote: the run must keep
-        something to resume from; ``force=True`` deletes it locally all the same, an operator's choice; the
-        remote's newest step goes only once a newer one is uploaded) and for the step a save in flight writes,
-        and on a ``read_only`` store; ``OSError`` when the deletion cannot be recorded (nothing is deleted)."""
-        self._maintenance.delete_step(step, remote=remote, force=force)
+        sweep or :meth:`gc`), from this node's memory root with ``memory``, and with ``remote=True`` from the
+        remote, on the uploader's thread once the uploads of the steps committed before this call are done (a
+        waiting upload of the step is dropped, for good; a failure is raised like an upload's). Durable once it
+        returns (recorded in the local root first; after a SIGKILL the next writer finishes it). A missing step
+        is a no-op. Raises ``CheckpointError`` for the newest committed step of any tier (``force=True`` deletes
+        it locally all the same, an operator's choice; the remote's newest step goes only once a newer one is
+        uploaded), for a step being saved or promoted, and on a ``read_only`` store; ``OSError`` when the
+        deletion cannot be recorded (nothing is deleted)."""
+        (self._tier or self._maintenance).delete_step(step, remote=remote, force=force)
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def close(self) -> None:

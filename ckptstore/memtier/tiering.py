@@ -28,10 +28,11 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 from ..format.blobs import digest_bytes
 from ..distributed.commit import root_identity
 from ..util.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
-from ..format.layout import check_step, manifest_path
+from ..format.layout import check_step, manifest_path, step_dir
 from ..format.mtable import rows_here
 from ..lifecycle.lease import read_epoch
 from ..orchestration.loading import Loader
+from ..orchestration.maintenance import Maintenance
 from .memory import (FULL_SWEEP_EVERY, Memory, NodeLock, dropped_chunks, next_to_drop, over_keep, root_usage,
                      sweep)
 from ..orchestration.options import Writing
@@ -50,12 +51,14 @@ INVENTORY = 8
 
 class MemoryTier:
     """The memory tier of one :class:`~ckptstore.store.Store` (see the module docstring). ``disk``: the store's
-    parts, ``disk_saver`` promotes, ``disk_loader`` is the fallback of ``resume`` and ``resolve``."""
+    parts, ``disk_saver`` promotes, ``disk_loader`` is the fallback of ``resume`` and ``resolve``,
+    ``disk_maintenance`` verifies and deletes the disk's copies."""
 
     def __init__(self, memory: Memory, *, disk: Parts, disk_saver: Saver, disk_loader: Loader, writing: Writing,
-                 config, config_may_change: Iterable[str], on_rewind: str):
+                 config, config_may_change: Iterable[str], on_rewind: str, disk_maintenance: Maintenance):
         self.m = memory
         self.disk, self.disk_saver, self.disk_loader = disk, disk_saver, disk_loader
+        self.disk_maintenance = disk_maintenance
         rank, world = disk.rank, disk.world_size
         storage = open_storage(local_path(memory.root), None, direct_io=False)
         self.p = Parts(storage, rank=rank, world_size=world, writing=writing, remote=None, storage_options=None,
@@ -588,6 +591,59 @@ class MemoryTier:
             except CorruptCheckpointError as e:
                 log.warning("step %d (%s) is corrupt, trying another copy or an older step: %s", s, tier, e)
         raise FileNotFoundError(f"no valid committed step in {self.p.root}, {self.disk.where()}")
+
+    # -- what Store's best_step, verify and delete_step do with a memory tier -----------------------------------
+    def _memory_commits(self) -> Dict[int, Any]:
+        out = {}
+        for s in self.p.catalog.committed_steps():
+            try:
+                out[s] = self.p.catalog.read_commit(s)
+            except CheckpointError:
+                continue
+        return out
+
+    def best_step(self) -> Optional[int]:
+        """``Store.best_step`` over the memory root's commit markers too (they carry the step's metrics)."""
+        return self.disk_loader.best_step(self._memory_commits())
+
+    def verify(self, step: Optional[int]) -> Dict[int, Optional[str]]:
+        """``Store.verify`` of the disk root's steps and the memory root's (``step``: the copies of that step
+        the two hold, or the disk's answer when neither does). A step both hold is valid when both copies
+        are; a damaged memory copy's error starts with ``memory:``."""
+        mem = self.p.catalog.committed_steps()
+        wanted = mem if step is None else [s for s in mem if s == step]
+        out: Dict[int, Optional[str]] = {}
+        disk = set(self.disk.catalog.committed_steps())
+        if step is None or step in disk or not wanted:
+            out.update(self.disk_maintenance.verify(step))
+        for s, err in Maintenance(self.p).verify_steps(wanted).items():
+            if err is not None or s not in out:
+                out[s] = out.get(s) or (None if err is None else f"memory: {err}")
+        return dict(sorted(out.items()))
+
+    def delete_step(self, step: int, *, remote: bool, force: bool) -> None:
+        """``Store.delete_step`` with a memory tier: the disk root's and the remote's copies as without one,
+        then this node's memory copy (before: a resume took the newest memory step, one the trainer had
+        deleted, e.g. Lightning's top-k). Refused (``CheckpointError``, nothing deleted) for the newest step
+        of any tier unless ``force``, and while a save or a promotion of the step is in flight (a promotion
+        would write it to disk again)."""
+        check_step(step)
+        inflight = self.p.inflight
+        if inflight is not None and not inflight.done() and inflight.step == step:
+            raise CheckpointError(f"step {step} is being saved to the memory tier: it cannot be deleted now")
+        with self._lock:
+            promoting = step in self._promoting
+        if promoting:
+            raise CheckpointError(f"step {step} is being promoted from the memory tier to {self.disk.root}: it "
+                                  "cannot be deleted now (Store.wait_for_uploads() or a later save lets it)")
+        if step == self.latest_step() and not force:
+            raise CheckpointError(f"step {step} is the newest committed step of {self.p.root} and "
+                                  f"{self.disk.root}: it is never deleted (save a newer one first)")
+        self.disk_maintenance.delete_step(step, remote=remote, force=force)
+        if self.p.catalog.is_committed(step) or self.p.storage.exists(step_dir(step)):
+            candidates = dropped_chunks(self.p.catalog, [step])
+            self._drop(step)
+            self._sweep(step, None, candidates)
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     def close(self) -> None:

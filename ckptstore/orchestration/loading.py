@@ -175,10 +175,11 @@ class Loader:
                 continue
         return None
 
-    def best_step(self) -> Optional[int]:
+    def best_step(self, more: Optional[Dict[int, Commit]] = None) -> Optional[int]:
+        """See ``Store.best_step``; ``more``: commit markers of another tier (the memory tier's) judged too."""
         p = self.p
         metric, mode = (p.keep.metric, p.keep.mode) if p.keep is not None and p.keep.metric else (None, None)
-        commits = {}
+        commits = dict(more or {})
         for s in p.catalog.committed_steps():
             try:
                 commits[s] = p.catalog.read_commit(s)

@@ -291,8 +291,11 @@ class Maintenance:
 
     # -- verify -------------------------------------------------------------------------------------------------
     def verify(self, step: Optional[int]) -> Dict[int, Optional[str]]:
+        return self.verify_steps([step] if step is not None else self.p.catalog.committed_steps())
+
+    def verify_steps(self, steps: List[int]) -> Dict[int, Optional[str]]:
+        """step -> ``None`` (every chunk of every rank's part reads back whole) or what is wrong with it."""
         catalog = self.p.catalog
-        steps = [step] if step is not None else catalog.committed_steps()
         out: Dict[int, Optional[str]] = {}
         for s in steps:
             try:

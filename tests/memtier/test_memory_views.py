@@ -150,3 +150,48 @@ def test_cli_ls_marks_memory_steps(tmp_path, mem_dir):
     # without --memory, as before: the disk's steps only, no where column
     plain = json.loads(cli("ls", disk, "--json").stdout)
     assert [r["step"] for r in plain if r["committed"]] == [3, 6] and all("tiers" not in r for r in plain)
+
+
+def _bytes_under(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+
+
+def test_best_step_verify_and_delete_step_cover_memory_steps(tmp_path, mem_dir):
+    """``best_step`` judges the memory root's steps too (their markers carry the metrics); ``verify`` checks
+    the memory copies (a damaged one is reported as ``memory: ...`` even where the disk copy is whole);
+    ``delete_step`` removes the memory copy with the disk's and frees its chunks, so nothing reads a step the
+    trainer deleted (before: Lightning's top-k rotation deleted the disk copy and the memory copy stayed in
+    ``steps()``, ``load`` and resume). The newest step of any tier and the disk's newest (the newest durable
+    one) are refused, deleting nothing; a restarted store sees the same."""
+    from ckptstore import CheckpointError, Memory, Retention
+    mem = Memory(str(mem_dir), every=1, disk_every=DISK_EVERY, keep=KEEP, replicas=0)
+    with Store(tmp_path / "disk", writing=Writing(packing=Packing(threshold=0)), keep=Retention(),
+               memory=mem) as store:
+        save_run(store)
+        tiers = store.step_tiers()
+        assert tiers[5] == ["memory"] and tiers[6] == ["memory", "local"] and tiers[7] == ["memory"], tiers
+        assert "local" in tiers[3], tiers
+        assert store.best_step() == 7                 # lowest loss, in memory only (the disk's best is 6)
+        assert store.verify() == {3: None, 5: None, 6: None, 7: None}
+        damage(mem_dir, 6)
+        got = store.verify()
+        assert got[6].startswith("memory:") and "step=6" in got[6], got
+        assert got[3] is None and got[5] is None and got[7] is None
+        assert store.verify(6)[6].startswith("memory:") and store.verify(5) == {5: None}
+
+        with pytest.raises(CheckpointError, match="newest"):
+            store.delete_step(7)
+        with pytest.raises(CheckpointError, match="newest"):
+            store.delete_step(6)                     # the disk's newest: kept in both tiers
+        assert store.step_tiers()[6] == ["memory", "local"]
+        before = _bytes_under(mem_dir)
+        store.delete_step(5)
+        assert _bytes_under(mem_dir) <= before - N * 4      # its chunk of x is swept
+        store.delete_step(3)
+        assert store.steps() == [6, 7] and store.step_tiers() == {6: ["memory", "local"], 7: ["memory"]}
+        for s in (3, 5):
+            with pytest.raises(FileNotFoundError):
+                store.load(s)
+        assert store.verify(5) != {5: None}
+    with open_store(tmp_path, mem_dir) as store:      # a restart sees the same steps
+        assert store.steps() == [6, 7]
