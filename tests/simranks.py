@@ -222,7 +222,7 @@ class SimJob:
         """The part rank ``r`` sends (computed from its manifest when ``full`` or sampled)."""
         m = llama_manifest(self.shape, r, self.n, self.grid, step)
         return make_part((_blob("manifest", r, step)[:32].encode(), 4096 + r, 0), m.bytes_total, error,
-                         root_identity(None) + self.roots[r].encode(), part_extra(step, self.n, m)[0])
+                         root_identity(None) + self.roots[r].encode(), part_extra(step, self.n, m, owners=True)[0])
 
     def run_rank(self, r: int, step: int, timeout: float, out: Outcome, error: Optional[BaseException] = None,
                  ready: Optional[threading.Barrier] = None):
@@ -241,7 +241,7 @@ class SimJob:
                         _blob("manifest", r, step)[:32].encode(), 4096 + r, 0),
                     bytes_total=m.bytes_total, error=error, where=root_identity(None) + self.roots[r].encode(),
                     timeout=timeout, new_commit=new_commit, write_marker=write_marker, write_map=write_map,
-                    write_rows=write_rows, gen=0, adopt_run_id=lambda rid: None)
+                    write_rows=write_rows, gen=0, adopt_run_id=lambda rid: None, owners=True)
             else:
                 part = (make_part(None, 0, error, root_identity(None) + self.roots[r].encode()) if error
                         else self._parts.get(r) or self.part_of(r, step))

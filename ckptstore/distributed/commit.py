@@ -256,14 +256,14 @@ def _rank(k: str):
         return k
 
 
-def part_extra(step: int, world_size: int, manifest: Manifest) -> Tuple[Dict[str, Any], List[Any]]:
+def part_extra(step: int, world_size: int, manifest: Manifest, *, owners: bool) -> Tuple[Dict[str, Any], List[Any]]:
     """What a rank's part carries from its manifest (the shard map's inputs: layout digest, rule bit, replicated
-    keys' digest, plain-value groups; past ``mtable.INLINE_ROWS`` ranks its owner ranks, see
-    :meth:`_Fold.owner_rows_of`), and its plain-value groups (rank 0's fold starts from them)."""
+    keys' digest, plain-value groups; with ``owners`` (the job uploads) past ``mtable.INLINE_ROWS`` ranks, its
+    owner ranks: see :meth:`_Fold.owner_rows_of`), and its plain-value groups (rank 0's fold starts from them)."""
     lay, rule = shardmap.layout(manifest, manifest.rank)
     groups, gk, gd = shardmap.plain_groups(manifest)
     extra = {"layout": lay, "rule": rule, "rep": shardmap.replicated_digest(manifest), "gk": gk, "gd": gd}
-    if rule and world_size > mtable.INLINE_ROWS:      # a marker naming a table: see owner_rows_of
+    if owners and rule and world_size > mtable.INLINE_ROWS:     # a marker naming a table: see owner_rows_of
         owners = shardmap.owner_ranks(step, world_size, manifest, MAX_OWNERS)
         if owners:
             extra["owners"] = owners
@@ -277,7 +277,7 @@ def commit_across_ranks(coord: Coordinator, tag: str, step: int, *, manifest: Op
                         write_rows: Callable[..., None],
                         write_map: Callable[[int, bytes], Tuple[bytes, int, int]], gen: int,
                         adopt_run_id: Callable[[str], None],
-                        on_table: Optional[Callable[[bytes], None]] = None) -> bool:
+                        on_table: Optional[Callable[[bytes], None]] = None, owners: bool = False) -> bool:
     """One rank's side of a collective save (what ``Store.save`` runs after writing its manifest): its part
     (with the shard map's inputs from ``manifest``, this rank's, ``None`` when it failed before having one),
     :func:`agree_commit`, and on rank 0 / a leader the shard map and commit marker through ``write_map(gen,
@@ -288,11 +288,12 @@ def commit_across_ranks(coord: Coordinator, tag: str, step: int, *, manifest: Op
     ``mtable.INLINE_ROWS`` ranks: the root's uploader confirms the objects it leaves to them by those rows); ``new_commit(manifest table, bytes total)`` makes the
     marker's contents. ``on_table(table digest)``: every rank, once committed, when the marker names a manifest
     table (the verdict carries its digest: the memory tier writes the rows of the replicas this rank took).
+    ``owners``: the roots upload to a remote (their leaders need the owner rows, see :func:`part_extra`).
     Returns whether this rank wrote a commit marker. Raises :class:`CommitError` (from ``error``)."""
     extra: Dict[str, Any] = {}
     groups: List[Any] = []
     if manifest is not None:
-        extra, groups = part_extra(step, coord.world_size, manifest)
+        extra, groups = part_extra(step, coord.world_size, manifest, owners=owners)
     part = make_part(own_digest, bytes_total, error, where, extra)
     fold = shardmap.RankLocalFold(groups, extra.get("gk"), extra.get("gd")) if coord.rank == 0 else None
     regular = [manifest is not None and extra["rule"]]     # every rank's boxes follow the rule, alike

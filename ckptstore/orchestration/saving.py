@@ -426,7 +426,7 @@ class Saver:
                 write_marker=lambda data, table: self._write_commit_marker(step, data, table),
                 write_rows=lambda digest, rows, refs: p.catalog.write_rows(step, digest, rows, refs),
                 write_map=lambda gen, data: p.catalog.write_shard_map(step, gen, data), gen=self._gen,
-                adopt_run_id=p.adopt_run_id,
+                adopt_run_id=p.adopt_run_id, owners=p.remote_storage is not None,
                 on_table=None if self.after_table is None else (lambda digest: self.after_table(step, digest)))
         if p.rank != 0:
             return False
