@@ -264,10 +264,18 @@ def part_extra(step: int, world_size: int, manifest: Manifest, *, owners: bool) 
     groups, gk, gd = shardmap.plain_groups(manifest)
     extra = {"layout": lay, "rule": rule, "rep": shardmap.replicated_digest(manifest), "gk": gk, "gd": gd}
     if owners and rule and world_size > mtable.INLINE_ROWS:     # a marker naming a table: see owner_rows_of
-        owners = shardmap.owner_ranks(step, world_size, manifest, MAX_OWNERS)
-        if owners:
-            extra["owners"] = owners
+        key = (lay, manifest.rank, world_size)      # the same layout (every save of a run): the same owners
+        found = _OWNERS.get(key, False)
+        if found is False:
+            if len(_OWNERS) >= 16:
+                _OWNERS.clear()
+            found = _OWNERS[key] = shardmap.owner_ranks(step, world_size, manifest, MAX_OWNERS)
+        if found:
+            extra["owners"] = found
     return extra, groups
+
+
+_OWNERS: Dict[Tuple[bytes, int, int], Optional[List[int]]] = {}    # part_extra's cache of owner_ranks
 
 
 def commit_across_ranks(coord: Coordinator, tag: str, step: int, *, manifest: Optional[Manifest], own_digest,
