@@ -52,7 +52,7 @@ def train(steps: int, seed: int):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return model, opt, float(loss)
+    return model, opt, float(loss.detach())
 
 
 def tensor_classes(model, opt):
@@ -176,21 +176,11 @@ def save_contender(state, codec, base) -> H.Contender:
                        teardown=C.rmtree)
 
 
-def main() -> int:
-    ap = H.parser(__doc__, repeat=3)
-    ap.add_argument("--steps", type=int, default=300, help="AdamW steps before the state is taken")
-    args = ap.parse_args()
-    base = H.scratch_dir(args.dir)
-    print(H.banner(steps=args.steps, dir=base))
-    t0 = time.perf_counter()
-    model, opt, loss = train(args.steps, args.seed)
-    print(f"trained {args.steps} steps in {time.perf_counter() - t0:.0f} s (loss {loss:.2f}), "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters")
-    classes = tensor_classes(model, opt)
-    print("\n1. per tensor class (ratio = raw / stored; GB/s of raw bytes per core, CPU time, best of "
-          f"{args.repeat})")
-    print(f"{'class':<14} {'codec':<32} {'ratio':>6} {'comp GB/s':>9} {'dec GB/s':>9}  check")
+def codec_sections(model, opt, classes, args, base):
+    """Sections 1 and 2: the codec table per tensor class, and the sizes on disk against DCP."""
     out_rows = []
+    print(f"\n1. per tensor class (ratio = raw / stored; GB/s of raw bytes per core, CPU time, best of {args.repeat})")
+    print(f"{'class':<14} {'codec':<32} {'ratio':>6} {'comp GB/s':>9} {'dec GB/s':>9}  check")
     for total, rows in codec_table(classes, args.repeat):
         for cname, name, ratio, ce, cd, ok in rows:
             print(f"{cname:<14} {name:<32} {ratio:>6.3f} {ce:>9} {cd:>9}  {ok}")
@@ -201,6 +191,24 @@ def main() -> int:
     raw = sizes["ckptstore raw"]
     for k, v in sizes.items():
         print(f"   {k:<32} {v / 1e6:8.2f} MB" + (f"   x{raw / v:.3f} smaller than raw" if v else ""))
+    return out_rows, sizes
+
+
+def main() -> int:
+    ap = H.parser(__doc__, repeat=3)
+    ap.add_argument("--steps", type=int, default=300, help="AdamW steps before the state is taken")
+    ap.add_argument("--save-only", action="store_true", help="only section 3 (the blocking saves)")
+    args = ap.parse_args()
+    base = H.scratch_dir(args.dir)
+    print(H.banner(steps=args.steps, dir=base))
+    t0 = time.perf_counter()
+    model, opt, loss = train(args.steps, args.seed)
+    print(f"trained {args.steps} steps in {time.perf_counter() - t0:.0f} s (loss {loss:.2f}), "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters")
+    classes = tensor_classes(model, opt)
+    out_rows, sizes = [], {}
+    if not args.save_only:
+        out_rows, sizes = codec_sections(model, opt, classes, args, base)
     print("\n3. blocking Store.save, fp32 state + bf16 weights")
     state = {"model": model, "optimizer": opt, "bf16": {f"p{i}": t for i, t in enumerate(classes["bf16 weights"])}}
     res = H.compare([save_contender(state, c, base) for c in ("raw", "zstd", "auto")], args.repeat)

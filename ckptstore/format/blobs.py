@@ -4,7 +4,8 @@ A blob holds one chunk of a tensor's raw bytes. Its id is the BLAKE3-256 hex dig
 identical chunks (across keys, steps and ranks) are stored once and the id does not depend on the codec. A
 blob is stored raw (``objects/ab/<id>``), as one zstd frame (``objects/ab/<id>.zst``) or as one frame of the
 ``planes`` codec for floats (``objects/ab/<id>.bpl``, :mod:`ckptstore.format.planes`); the name records the
-codec. Which codec a chunk gets is :func:`encode_chunk`'s choice (``Writing.codec``). Blobs are write-once: written to a temp name and linked/renamed into place, never overwritten.
+codec. Which codec a chunk gets is :func:`encode_chunk`'s choice (``Writing.codec``). Blobs are write-once:
+written to a temp name and linked/renamed into place, never overwritten.
 
 Why BLAKE3: it is cryptographic (a chunk cannot be forged to collide with another by a malicious bucket) and
 runs at ~6 GB/s per core here, above the disk's 2.6 GB/s; SHA-256 (1.7 GB/s) would be the bottleneck.

@@ -11,7 +11,8 @@ exponent bytes alone compress ~3x. The elements' bytes are split into ``itemsize
 holds the 8 bits after the sign (a bfloat16 / float32 exponent, the top 8 of a float64's) and the next one the
 sign and the 7 bits after those (transform 1: the same gain as rotating each element left by one bit, as ZipNN
 does, at a cost of a few passes over two planes instead of two over the whole chunk; +0.6% on fp32 weights,
-+1.5% on bfloat16 and Adam's second moment against no transform, measured here). Each plane is stored as one zstd frame or raw, whichever is smaller (a plane is first tried on a 64 KiB sample,
++1.5% on bfloat16 and Adam's second moment against no transform, measured here). Each plane is stored as one zstd
+frame or raw, whichever is smaller (a plane is first tried on a 64 KiB sample,
 so incompressible mantissa planes cost no compression pass). The zstd parameters (level 1, 32 KiB window,
 a 256-entry hash table, 7-byte minimum matches) leave nearly everything to zstd's Huffman literal coder: a byte
 plane has no long repeats, and fewer matches compressed the exponent plane better (3.13x vs 2.83x at level 1's
