@@ -112,8 +112,10 @@ def encode(data, itemsize: int, *, transform: int = EXPONENT) -> bytes:
         method, stored = RAW, plane
         if m:
             s = sample(plane)
-            if len(cctx.compress(s)) <= MIN_GAIN * s.size:
-                packed = cctx.compress(plane)
+            packed = cctx.compress(s)
+            if len(packed) <= MIN_GAIN * s.size:
+                if s.size < m:                   # the sample was a part: compress the whole plane
+                    packed = cctx.compress(plane)
                 if len(packed) <= MIN_GAIN * m:
                     method, stored = ZSTD, packed
         heads.append(_PLANE.pack(method, len(stored)))
