@@ -216,3 +216,23 @@ def test_auto_step_uploads_pulls_resumes_and_verifies_on_s3(tmp_path, s3_bucket_
         assert bits_equal(out, {k: v.contiguous() for k, v in state.items()})
         assert s.verify() == {1: None}
     cli("verify", str(tmp_path / "pulled"))
+
+
+def test_repack_keeps_planes_chunks_planes(tmp_path):
+    """Repack re-encodes the live chunks of mostly dead packs: a planes chunk stays a planes chunk (the element size
+    comes from its old frame), the step loads bit for bit and verifies."""
+    small = Packing(threshold=64 << 10, target_size=1 << 20)
+
+    def state_at(step):
+        return {f"t{i}": torch.randn(1500 + i, generator=torch.Generator().manual_seed(
+            1000 * (step if i % 4 else 0) + i)) * 0.02 for i in range(40)}
+    root = tmp_path / "s"
+    with Store(root, writing=Writing(codec="auto", packing=small)) as s:
+        for step in (1, 2, 3):
+            s.save(state_at(step), step)
+        s.delete_step(1)
+        s.delete_step(2)
+        r = s.gc(grace_seconds=0)
+        assert r.packs_repacked >= 1 and 3 in r.steps_rewritten
+        assert set().union(*codecs_of(s, 3).values()) == {"planes"}
+        assert bits_equal(s.load(3), state_at(3)) and s.verify() == {3: None}
