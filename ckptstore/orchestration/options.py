@@ -37,9 +37,9 @@ class Writing:
     fp16, fp8) as byte planes + zstd (the ``planes`` codec, FORMAT.md; its own fixed zstd parameters), other chunks
     as zstd at ``zstd_level`` where a sample shows it pays. Any compressed chunk is kept only where it saves >= 3%,
     else stored raw; chunk ids are the BLAKE3 of the raw bytes whatever the codec. Measured here (issue 30,
-    benchmarks/README.md "bench_codec.py"): zstd gains ~8% on fp32 weights, ``"auto"`` ~17-20% on fp32 weights and
-    Adam's moments and ~34% on bf16 weights, both at well under a disk's speed per core, so raw stays the
-    default.
+    benchmarks/README.md "bench_codec.py"): zstd saves ~8% on fp32 weights; ``"auto"`` ~17% on fp32 weights,
+    19-23% on Adam's moments and ~34% on bf16 weights, at 0.25-0.5 GB/s per core to compress (a blocking save
+    took 1.6-2.3x a raw one), so raw stays the default.
     ``workers``: threads hashing / writing / reading chunks (default 4). ``direct_io``: use O_DIRECT for large
     aligned writes where the filesystem supports it. ``packing``: a :class:`~ckptstore.format.packs.Packing` (chunks
     under ``threshold`` bytes, default 4 MiB, go into pack files of about ``target_size`` bytes;
