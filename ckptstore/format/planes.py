@@ -49,7 +49,7 @@ NONE, EXPONENT = 0, 1
 _HEADER = struct.Struct("<4sBBBBQ")
 _PLANE = struct.Struct("<BQ")
 RAW, ZSTD = 0, 1
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+SIZES = (1, 2, 4, 8)                # element sizes a frame may name
 _SAMPLE = 16 << 10                  # bytes per sample piece; 4 pieces are tried before a whole plane
 MIN_GAIN = 0.97                     # a plane (and the frame) is kept compressed only at <= 97% of its raw size
 _PARAMS = zstandard.ZstdCompressionParameters.from_level(1, window_log=15, hash_log=8, min_match=7,
@@ -96,7 +96,7 @@ def encode(data, itemsize: int, *, transform: int = EXPONENT) -> bytes:
     """The frame of ``data`` (a bytes-like object of any length) as ``itemsize``-byte elements (1, 2, 4, 8).
     Always returns a frame (it may be larger than ``data``: the caller keeps raw bytes when it does not pay).
     ``transform``: :data:`EXPONENT` for floats (the exponent fills the top plane), :data:`NONE` otherwise."""
-    if itemsize not in _UINT or transform not in (NONE, EXPONENT):
+    if itemsize not in SIZES or transform not in (NONE, EXPONENT):
         raise ValueError(f"planes: element size {itemsize!r} / transform {transform!r} not supported")
     if itemsize == 1:
         transform = NONE                 # one plane: nothing to regroup
@@ -136,7 +136,7 @@ def parse_header(frame) -> tuple:
         raise FrameError(f"not a planes frame (magic {bytes(magic)!r})")
     if version != VERSION:
         raise FrameError(f"planes frame version {version} (this ckptstore reads {VERSION})")
-    if transform not in (NONE, EXPONENT) or k not in _UINT or nplanes != k:
+    if transform not in (NONE, EXPONENT) or k not in SIZES or nplanes != k:
         raise FrameError(f"planes frame header: transform {transform}, element size {k}, {nplanes} planes")
     end = header_size(k)
     if len(mv) < end:
@@ -224,11 +224,11 @@ def float_itemsize(dtype: str) -> Optional[int]:
             t = getattr(torch, dtype)
             if isinstance(t, torch.dtype) and (t.is_floating_point or t.is_complex):
                 size = t.itemsize // (2 if t.is_complex else 1)
-                return size if size in _UINT else None
+                return size if size in SIZES else None
         except AttributeError:
             return None
         return None
     if len(dtype) >= 3 and dtype[0] in "<|=" and dtype[1] in "fc" and dtype[2:].isdigit():
         size = int(dtype[2:]) // (2 if dtype[1] == "c" else 1)
-        return size if size in _UINT else None
+        return size if size in SIZES else None
     return None
