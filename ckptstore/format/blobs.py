@@ -2,8 +2,10 @@
 
 A blob holds one chunk of a tensor's raw bytes. Its id is the BLAKE3-256 hex digest of those raw bytes, so
 identical chunks (across keys, steps and ranks) are stored once and the id does not depend on the codec. A
-blob is stored raw (``objects/ab/<id>``) or as one zstd frame (``objects/ab/<id>.zst``); the name records the
-codec. Blobs are write-once: written to a temp name and linked/renamed into place, never overwritten.
+blob is stored raw (``objects/ab/<id>``), as one zstd frame (``objects/ab/<id>.zst``) or as one frame of the
+``planes`` codec for floats (``objects/ab/<id>.bpl``, :mod:`ckptstore.format.planes`); the name records the
+codec. Which codec a chunk gets is :func:`encode_chunk`'s choice (``Writing.codec``). Blobs are write-once:
+written to a temp name and linked/renamed into place, never overwritten.
 
 Why BLAKE3: it is cryptographic (a chunk cannot be forged to collide with another by a malicious bucket) and
 runs at ~6 GB/s per core here, above the disk's 2.6 GB/s; SHA-256 (1.7 GB/s) would be the bottleneck.
@@ -17,16 +19,19 @@ import time
 from typing import Callable, Dict, Optional, Set, Tuple, TypeVar
 
 import blake3
+import numpy as np
 import zstandard
 
 from ..util.errors import CorruptCheckpointError, DamagedRead, TransferError
-from .layout import QUARANTINE, blob_path, pack_path
+from .layout import CODEC_SUFFIX, QUARANTINE, blob_path, pack_path
+from . import planes
 from ..util.retry import RetryPolicy
 
 log = logging.getLogger("ckptstore")
 T = TypeVar("T")
 
-CODECS = ("raw", "zstd")
+CODECS = ("raw", "zstd", "planes")         # how a chunk's bytes may be stored (manifests name one per chunk)
+WRITE_CODECS = ("raw", "zstd", "auto")     # what ``Writing.codec`` may ask for (see :func:`encode_chunk`)
 _MT_HASH_BYTES = 16 << 20           # multi-threaded hashing pays only for large buffers
 _MIN_ZSTD_GAIN = 0.97               # keep a zstd frame only if it is at most 97% of the raw size
 
@@ -66,8 +71,54 @@ RECHECK_LIMIT = 1 << 30             # most raw bytes a re-check decodes before g
 
 
 def zstd_claim_possible(stored: int, nbytes: int) -> bool:
-    """Whether ``stored`` bytes of zstd can hold ``nbytes`` raw bytes at all (a bound, not a proof)."""
+    """Whether ``stored`` bytes of zstd (or of a planes frame: raw planes, zstd planes) can hold ``nbytes`` raw
+    bytes at all (a bound, not a proof)."""
     return nbytes <= stored * MAX_ZSTD_RATIO
+
+
+_SAMPLE_FROM = 256 << 10             # chunks from this size are tried on a sample before zstd compresses them
+
+
+def _zstd_pays(data, level: int) -> bool:
+    """Whether zstd at ``level`` saves >= 3% on a 64 KiB sample of ``data`` (4 pieces spread over it), so that an
+    incompressible chunk costs no compression pass."""
+    s = planes.sample(np.frombuffer(data, dtype=np.uint8))
+    return len(compress(s, level)) <= _MIN_ZSTD_GAIN * s.size
+
+
+def encode_chunk(data, codec: str, level: int = 1, itemsize: Optional[int] = None) -> Tuple[str, object]:
+    """How one chunk is stored: ``(codec used, stored bytes)``, the raw ``data`` itself when nothing pays.
+
+    ``codec``: ``"raw"``; ``"zstd"`` (one zstd frame at ``level``, kept where it saves >= 3%); ``"auto"``: a chunk
+    of a floating-point tensor (``itemsize``: its element size in bytes, from
+    :func:`ckptstore.format.planes.float_itemsize`; ``None`` for other dtypes) as a ``planes`` frame, any other
+    as zstd tried first on a sample; either kept only where it saves >= 3% (issue 30; measured in
+    benchmarks/README.md "bench_codec.py"). The chunk's id is the BLAKE3 of ``data`` whatever is chosen."""
+    n = len(data)
+    if codec == "raw" or not n:
+        return "raw", data
+    if codec == "auto" and itemsize is not None:
+        frame = planes.encode(data, itemsize)
+        return ("planes", frame) if len(frame) <= _MIN_ZSTD_GAIN * n else ("raw", data)
+    if codec not in ("zstd", "auto"):
+        raise ValueError(f"unknown codec {codec!r}")
+    if codec == "auto" and n >= _SAMPLE_FROM and not _zstd_pays(data, level):
+        return "raw", data
+    packed = compress(data, level)
+    return ("zstd", packed) if len(packed) <= _MIN_ZSTD_GAIN * n else ("raw", data)
+
+
+def decode_into(codec: str, payload, out: memoryview) -> int:
+    """Decode one chunk's stored bytes (``codec``: ``"zstd"`` or ``"planes"``) into ``out``, whose length is the
+    raw length expected; return the bytes produced (bounded by ``len(out)``). Raises ``ValueError`` (a
+    :class:`~ckptstore.format.planes.FrameError` for planes) or ``zstandard.ZstdError`` for bytes that do not
+    decode to that length."""
+    if codec == "planes":
+        planes.decode_into(payload, out)
+        return len(out)
+    if codec != "zstd":
+        raise ValueError(f"unknown codec {codec!r}")
+    return decompress_into(payload, out)
 
 
 def decompress_into(payload, out: memoryview) -> int:
@@ -193,12 +244,39 @@ def stream_check(storage, path: str, codec: str, *, nbytes: Optional[int], blob_
     """
     cap = limit if nbytes is None else nbytes + 1
     src = _RangeFile(storage, path, offset, stored)
+    if codec == "planes":
+        return _planes_check(src, nbytes=nbytes, blob_id=blob_id, stored=stored, limit=limit)
     if codec != "raw":
         src = zstandard.ZstdDecompressor().stream_reader(src, read_size=1 << 20)
     h, total = hash_stream(src.read, cap)
     if nbytes is None and total >= limit:
         raise OverflowError(f"more than {limit} raw bytes")
     return h.hexdigest() == blob_id and (nbytes is None or total == nbytes), total
+
+
+def _planes_check(src: "_RangeFile", *, nbytes: Optional[int], blob_id: str, stored: Optional[int],
+                  limit: int) -> Tuple[bool, int]:
+    """:func:`stream_check` of a planes frame: its planes interleave, so the frame is read whole and decoded
+    whole (memory: its stored bytes + its raw length, at most one chunk's; a frame claiming more than ``limit``
+    raw bytes, or more than its size can hold, is not decoded)."""
+    head = src.read(planes.header_size(8))
+    claimed = planes.frame_nbytes(head)
+    if nbytes is not None and claimed != nbytes:
+        return False, claimed
+    if claimed >= limit:
+        raise OverflowError(f"more than {limit} raw bytes")
+    pieces = [head]
+    while True:
+        piece = src.read(_PIECE)
+        if not piece:
+            break
+        pieces.append(piece)
+    frame = b"".join(pieces)
+    if not zstd_claim_possible(len(frame), claimed):
+        raise planes.FrameError(f"{len(frame)} bytes of planes cannot hold {claimed} bytes")
+    out = bytearray(claimed)
+    planes.decode_into(frame, memoryview(out))
+    return digest_bytes(out) == blob_id, claimed
 
 
 class BlobStore:
@@ -270,24 +348,18 @@ class BlobStore:
             self._dirs.add(path.rsplit("/", 1)[0])
         return len(payload) if wrote else 0
 
-    def put(self, blob_id: str, data: memoryview, codec: str = "raw", level: int = 1) -> Tuple[str, int]:
+    def put(self, blob_id: str, data: memoryview, codec: str = "raw", level: int = 1,
+            itemsize: Optional[int] = None) -> Tuple[str, int]:
         """Store ``data`` (raw bytes whose digest is ``blob_id``) unless already present.
 
         Returns ``(codec actually stored, bytes written)``; bytes written is 0 when the blob was present.
-        With ``codec="zstd"`` the blob is stored raw when compression saves less than 3%.
+        ``codec`` (``"raw"``, ``"zstd"``, ``"auto"``) and ``itemsize`` (the element size of a float chunk) choose
+        how it is stored (:func:`encode_chunk`: raw when compression saves less than 3%).
         """
         present = self._reusable(blob_id, len(data))
         if present is not None:
             return present, 0
-        payload = data
-        if codec == "zstd" and len(data):
-            packed = compress(data, level)
-            if len(packed) <= _MIN_ZSTD_GAIN * len(data):
-                payload = packed
-            else:
-                codec = "raw"
-        elif codec != "raw":
-            raise ValueError(f"unknown codec {codec!r}")
+        codec, payload = encode_chunk(data, codec, level, itemsize)
         return codec, self._write(blob_id, codec, payload)
 
     def put_stored(self, blob_id: str, codec: str, nbytes: int, read) -> int:
@@ -323,7 +395,13 @@ class BlobStore:
         """Whether a blob's stored bytes ``payload`` decode (``codec``) to ``nbytes`` raw bytes hashing to
         ``blob_id`` (decompression bounded by ``nbytes``)."""
         try:
-            raw = payload if codec == "raw" else decompress(payload, nbytes)
+            if codec == "raw":
+                raw = payload
+            elif codec == "planes":
+                raw = bytearray(nbytes)
+                planes.decode_into(payload, memoryview(raw))
+            else:
+                raw = decompress(payload, nbytes)
         except (ValueError, zstandard.ZstdError):
             return False
         return len(raw) == nbytes and digest_bytes(raw, threads=threads) == blob_id
@@ -370,7 +448,7 @@ class BlobStore:
                 else:
                     payload = self.storage.read_bytes(path)
                     try:
-                        got = decompress_into(payload, out)
+                        got = decode_into(codec, payload, out)
                     except (ValueError, zstandard.ZstdError) as e:
                         raise DamagedRead(f"blob unreadable ({e})", got=(len(payload), digest_bytes(payload)),
                                           step=step, key=key, blob=blob_id) from None
@@ -416,7 +494,7 @@ class BlobStore:
                     quarantine: bool = True) -> None:
         """Check a claimed raw length against the stored size (from :meth:`stat`) before anything is allocated
         for it: a raw blob has exactly ``nbytes`` bytes; a zstd blob can hold at most ``MAX_ZSTD_RATIO`` times
-        its size. Raises ``CorruptCheckpointError`` (see :meth:`_damaged` for the quarantine rule)."""
+        its size (a planes frame as well). Raises ``CorruptCheckpointError`` (see :meth:`_damaged` for the quarantine rule)."""
         if size is None:
             raise CorruptCheckpointError("blob missing", step=step, key=key, blob=blob_id)
         if codec == "raw" and size != nbytes:
@@ -460,6 +538,6 @@ class BlobStore:
         if not self.quarantine:
             return
         try:
-            self.storage.move(blob_path(blob_id, codec), f"{QUARANTINE}/{blob_id}{'.zst' if codec == 'zstd' else ''}")
+            self.storage.move(blob_path(blob_id, codec), f"{QUARANTINE}/{blob_id}{CODEC_SUFFIX[codec]}")
         except (OSError, ValueError):
             pass

@@ -8,6 +8,7 @@ Layout (format version 2; version 1 is the same without ``packs/`` and manifest 
 
     objects/<id[:2]>/<id>          blob, raw bytes of one chunk      (id = BLAKE3-256 hex of the raw bytes)
     objects/<id[:2]>/<id>.zst      blob, zstd frame of the raw bytes
+    objects/<id[:2]>/<id>.bpl      blob, planes frame of the raw bytes (ckptstore.format.planes)
     packs/<id[:2]>/<id>.pack       pack: many small chunks back to back (id = BLAKE3-256 hex of the whole file)
     steps/<step:012d>/manifest-rank<rank:05d>.msgpack          generation 0
     steps/<step:012d>/manifest-rank<rank:05d>.g<gen>.msgpack   generation gen > 0 (rewritten by a repack)
@@ -41,12 +42,12 @@ GC_EPOCH = "locks/gc-epoch"              # changes whenever a deleter removed so
 RETIRED = "locks/retired"                # locks/retired/<pack id>: a pack replaced by repack, and when
 REMOTE_DELETES = "locks/remote-deletes"  # locks/remote-deletes/<step>.json: a step to delete from the remote
 
-CODEC_SUFFIX = {"raw": "", "zstd": ".zst"}
+CODEC_SUFFIX = {"raw": "", "zstd": ".zst", "planes": ".bpl"}
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 _STEP_DIR_RE = re.compile(r"^[0-9]{12}$")
 _MANIFEST_RE = re.compile(r"^manifest-rank([0-9]{5})(?:\.g([0-9]{1,9}))?\.msgpack$")
 _PACK_RE = re.compile(r"^([0-9a-f]{64})\.pack$")
-_BLOB_RE = re.compile(r"^([0-9a-f]{64})(\.zst)?$")
+_BLOB_RE = re.compile(r"^([0-9a-f]{64})(\.zst|\.bpl)?$")
 MAX_STEP = 10**12 - 1
 
 
@@ -86,11 +87,12 @@ def parse_pack_name(name: str):
 
 
 def parse_blob_name(name: str):
-    """``'<id>'`` -> ``(id, 'raw')``, ``'<id>.zst'`` -> ``(id, 'zstd')``, anything else -> ``None``."""
+    """``'<id>'`` -> ``(id, 'raw')``, ``'<id>.zst'`` -> ``(id, 'zstd')``, ``'<id>.bpl'`` -> ``(id, 'planes')``,
+    anything else -> ``None``."""
     m = _BLOB_RE.match(name)
     if not m:
         return None
-    return m.group(1), ("zstd" if m.group(2) else "raw")
+    return m.group(1), {None: "raw", ".zst": "zstd", ".bpl": "planes"}[m.group(2)]
 
 
 def step_dir(step: int) -> str:

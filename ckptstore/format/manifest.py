@@ -54,7 +54,10 @@ from ..state.flatten import TORCH_DTYPES, KeyPath, path_str
 FORMAT_VERSION = 2            # written by this library; 1 and 2 are read (see FORMAT.md)
 #: a commit marker naming a manifest table, and a rows file, are written as format 3 (so that readers from
 #: before the table refuse them as too new rather than misread them); nothing else is
-READ_FORMATS = {"commit": mtable.TABLE_FORMAT, "rows": mtable.TABLE_FORMAT}
+#: a manifest naming a chunk stored with the planes codec is written as format 4 (readers from before the codec
+#: refuse it as too new, ``IncompatibleCheckpointError``, rather than call the step corrupt); nothing else is
+PLANES_FORMAT = 4
+READ_FORMATS = {"commit": mtable.TABLE_FORMAT, "rows": mtable.TABLE_FORMAT, "manifest": PLANES_FORMAT}
 MAX_CHUNK_BYTES = 1 << 40
 MAX_COMMIT_BYTES = 64 << 20     # ~60 bytes per rank: room for a million ranks; read with this bound
 MAGIC = "ckptstore"
@@ -70,7 +73,8 @@ class ChunkRef:
     """One chunk of a tensor's bytes and where they live.
 
     ``blob_id``: BLAKE3-256 hex of the chunk's raw bytes (the chunk's identity, whatever its location).
-    ``nbytes``: raw length in bytes. ``codec``: ``"raw"`` or ``"zstd"`` (how the stored bytes encode it).
+    ``nbytes``: raw length in bytes. ``codec``: ``"raw"``, ``"zstd"`` or ``"planes"`` (how the stored bytes encode
+    it; ``"planes"``: :mod:`ckptstore.format.planes`, in manifests of format 4).
     ``pack``: ``None`` when the chunk is a blob of its own (``objects/``), else the id of the pack holding it,
     at byte ``offset`` for ``stored`` bytes (``stored == nbytes`` for raw chunks).
     """
@@ -230,9 +234,12 @@ def unframe(data: bytes, kind: str, *, what: str, step: Optional[int] = None) ->
 def encode_manifest(m: Manifest) -> bytes:
     nodes = []
     packs: Dict[str, int] = {}
+    fmt = FORMAT_VERSION
     for n in m.nodes:
         p = n.payload
         if n.kind in ARRAY_KINDS:
+            if any(c.codec == "planes" for c in p.chunks):
+                fmt = PLANES_FORMAT
             d = {"dtype": p.dtype, "shape": list(p.shape), "chunks": [c.encode(packs) for c in p.chunks]}
             if n.kind in TENSOR_KINDS:
                 d["device"], d["requires_grad"] = p.device, p.requires_grad
@@ -244,7 +251,7 @@ def encode_manifest(m: Manifest) -> bytes:
             "stateful": list(m.stateful), "packs": list(packs), "nodes": nodes}
     if m.replicated:
         body["replicated"] = sorted(m.replicated)
-    return frame("manifest", body)
+    return frame("manifest", body, fmt)
 
 
 def _int(v, what, lo=0, hi=None) -> int:

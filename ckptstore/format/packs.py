@@ -1,7 +1,7 @@
 """Packs: many small chunks in one write-once object, and ranged reads back out of them.
 
-A *pack* is the concatenation of the stored bytes of some chunks (raw, or one zstd frame per chunk), nothing
-else. Its id is the BLAKE3-256 hex digest of the whole file, so a pack is content-addressed like a blob:
+A *pack* is the concatenation of the stored bytes of some chunks (raw, or one zstd or planes frame per chunk),
+nothing else. Its id is the BLAKE3-256 hex digest of the whole file, so a pack is content-addressed like a blob:
 write-once (``link(2)`` locally, create-only PUT remotely), verifiable as a whole when it is copied (uploads and
 pulls hash it against its name), and two ranks that pack the same chunks in the same order write one file.
 Where each chunk lives (pack, offset, stored length) is recorded in the manifest, so a reader needs no other
@@ -30,10 +30,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import zstandard
 
-from .blobs import (compress, decompress_into, digest_bytes, pack_intact, read_verified, zstd_claim_possible,
-                    _MIN_ZSTD_GAIN)
+from .blobs import decode_into, digest_bytes, encode_chunk, pack_intact, read_verified, zstd_claim_possible
 from ..util.errors import CorruptCheckpointError, DamagedRead
 from .layout import pack_path
+from . import planes
 from .manifest import ChunkRef
 
 PAGE = 4096
@@ -124,28 +124,25 @@ def _close(buf: mmap.mmap) -> None:
         pass
 
 
-def write_pack(storage, chunks: Sequence[Tuple[str, memoryview]], *, codec: str, level: int,
+def write_pack(storage, chunks: Sequence[tuple], *, codec: str, level: int,
                buffers: PackBuffers) -> Tuple[List[ChunkRef], int]:
-    """Assemble ``chunks`` (``(chunk id, raw bytes)``, ids already computed) into one pack and store it
-    (create-only: an identical pack already present is not written again).
+    """Assemble ``chunks`` (``(chunk id, raw bytes)`` or ``(chunk id, raw bytes, float element size or None)``,
+    ids already computed) into one pack and store it (create-only: an identical pack already present is not
+    written again). Each chunk is encoded as :func:`~ckptstore.format.blobs.encode_chunk` chooses for ``codec``.
 
     Returns the chunks' references (in order) and the bytes written (0 when the pack existed). The caller makes
     the pack durable (``storage.sync``) before a manifest names it. Raises ``OSError`` from the storage.
     """
-    raw_total = sum(len(v) for _, v in chunks)
+    raw_total = sum(len(c[1]) for c in chunks)
     buf = buffers.take(raw_total)
     mv = memoryview(buf)
     body = None
     try:
         placed = []
         off = 0
-        for chunk_id, view in chunks:
+        for chunk_id, view, *itemsize in chunks:
             n = len(view)
-            used, payload = "raw", view
-            if codec == "zstd":
-                packed = compress(view, level)
-                if len(packed) <= _MIN_ZSTD_GAIN * n:
-                    used, payload = "zstd", packed
+            used, payload = encode_chunk(view, codec, level, itemsize[0] if itemsize else None)
             k = len(payload)
             mv[off: off + k] = payload
             placed.append((chunk_id, n, used, off, k))
@@ -172,11 +169,13 @@ def write_pack(storage, chunks: Sequence[Tuple[str, memoryview]], *, codec: str,
 # -- reading ----------------------------------------------------------------------------------------------------
 @dataclass
 class ReadItem:
-    """One chunk to read: its reference, the buffer of exactly ``ref.nbytes`` to fill, and names for errors."""
+    """One chunk to read: its reference, the buffer of exactly ``ref.nbytes`` to fill, and names for errors.
+    ``itemsize``: set on read for a planes chunk (its frame's element size), so a re-encode can keep the codec."""
     ref: ChunkRef
     out: memoryview
     step: Optional[int] = None
     key: Optional[str] = None
+    itemsize: Optional[int] = None
 
 
 def coalesce(items: Sequence[ReadItem], *, gap: int, max_span: int) -> List[Tuple[int, int, List[ReadItem]]]:
@@ -210,12 +209,14 @@ def _finish(it: ReadItem, stored: memoryview) -> None:
     """Decode one chunk's stored bytes into ``it.out`` (unless read there already) and verify its id; bytes
     that fail raise :class:`~ckptstore.util.errors.DamagedRead`."""
     ref = it.ref
-    if ref.codec == "zstd":
+    if ref.codec != "raw":
         got = (ref.blob_id, len(stored), digest_bytes(stored))
         if not zstd_claim_possible(ref.stored, ref.nbytes):
-            raise _corrupt(f"{ref.stored} bytes of zstd cannot hold {ref.nbytes} bytes", it)    # the claim's fault
+            raise _corrupt(f"{ref.stored} bytes of {ref.codec} cannot hold {ref.nbytes} bytes", it)   # the claim's
         try:
-            n = decompress_into(stored, it.out)             # bounded by the declared size, streaming
+            n = decode_into(ref.codec, stored, it.out)      # bounded by the declared size
+            if ref.codec == "planes":
+                it.itemsize = planes.parse_header(stored)[1]
         except (zstandard.ZstdError, ValueError) as e:
             raise _corrupt(f"chunk unreadable ({e})", it, got) from None
         if n != ref.nbytes:

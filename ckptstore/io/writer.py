@@ -1,7 +1,7 @@
 """The write path: array specs (byte views) -> chunks -> BLAKE3 ids -> blobs / packs not yet stored -> chunk
 references.
 
-Chunks run through a thread pool: hashing (BLAKE3) and compression (zstd) release the GIL and writes wait on
+Chunks run through a thread pool: hashing (BLAKE3) and compression (zstd, planes) release the GIL and writes wait on
 the disk, so hashing one chunk overlaps with writing another. Large chunks become blobs of their own; small
 ones are hashed in batches and the new ones appended to packs (see :mod:`ckptstore.format.packs`). Within one save, a
 chunk is never written twice. Nothing here knows steps or manifests.
@@ -18,6 +18,7 @@ from ..format.blobs import BlobStore, digest_bytes
 from ..format.index import ChunkIndex
 from ..format.manifest import ChunkRef
 from ..format.packs import PackBuffers, Packing, plan_packs, write_pack
+from ..format.planes import float_itemsize
 from .snapshot import ArraySpec
 
 
@@ -57,6 +58,8 @@ def write_arrays(blobs: BlobStore, specs: List[ArraySpec], *, chunk_size: int, c
     appended, in order, to new packs of about ``packing.target_size`` (written in parallel). Then one
     ``sync`` makes every new blob and pack durable. A spec with ``known`` refs (unchanged since the last save)
     is neither hashed nor written; a spec with a ``ready`` CUDA event is read only after the event completes.
+    ``codec`` (``"raw"``, ``"zstd"``, ``"auto"``) is applied per chunk (:func:`~ckptstore.format.blobs.encode_chunk`;
+    under ``"auto"`` a chunk of a floating-point spec is tried with the planes codec, by the spec's dtype).
 
     Raises whatever a worker raised (``OSError`` from the disk, ...) once all workers are done; what was
     written stays unreferenced until garbage collection removes it.
@@ -76,7 +79,7 @@ def write_arrays(blobs: BlobStore, specs: List[ArraySpec], *, chunk_size: int, c
                 stats.objects_new += 1
                 stats.bytes_written += wrote
 
-    def work(view: memoryview) -> ChunkRef:
+    def work(view: memoryview, itemsize) -> ChunkRef:
         t0 = time.perf_counter()
         blob_id = digest_bytes(view)
         t1 = time.perf_counter()
@@ -90,7 +93,7 @@ def write_arrays(blobs: BlobStore, specs: List[ArraySpec], *, chunk_size: int, c
             used, wrote = blobs.locate(blob_id) or codec, 0
         else:
             try:
-                used, wrote = blobs.put(blob_id, view, codec, level)
+                used, wrote = blobs.put(blob_id, view, codec, level, itemsize)
             finally:
                 ev.set()
         account(wrote, t1 - t0, time.perf_counter() - t1, 1)
@@ -115,14 +118,15 @@ def write_arrays(blobs: BlobStore, specs: List[ArraySpec], *, chunk_size: int, c
         if spec.ready is not None:
             spec.ready.synchronize()
         view = spec.view
+        itemsize = float_itemsize(spec.dtype) if codec == "auto" else None
         per_spec = []
         for ci, (off, n) in enumerate(chunk_ranges(len(view), chunk_size)):
             stats.blobs_total += 1
             if packing.packs(n):
                 per_spec.append(None)
-                small.append((si, ci, view[off: off + n]))
+                small.append((si, ci, view[off: off + n], itemsize))
             else:
-                per_spec.append(executor.submit(work, view[off: off + n]))
+                per_spec.append(executor.submit(work, view[off: off + n], itemsize))
         results.append(per_spec)
     error = None
     try:
@@ -151,7 +155,7 @@ def write_arrays(blobs: BlobStore, specs: List[ArraySpec], *, chunk_size: int, c
 
 def _pack_small(small, results, blobs, index, packing, buffers, codec, level, executor, hash_batch, account):
     """Hash the small chunks (batched), reuse those the store has, pack the rest; fill ``results`` in place."""
-    views = [v for _, _, v in small]
+    views = [v for _, _, v, _ in small]
     batches, cur, cur_bytes = [], [], 0
     for v in views:
         cur.append(v)
@@ -162,15 +166,15 @@ def _pack_small(small, results, blobs, index, packing, buffers, codec, level, ex
     if cur:
         batches.append(cur)
     ids = [i for f in [executor.submit(hash_batch, b) for b in batches] for i in f.result()]
-    new: Dict[str, memoryview] = {}                  # chunk id -> bytes, first occurrence, in order
-    for (si, ci, v), cid in zip(small, ids):
+    new: Dict[str, tuple] = {}                       # chunk id -> (bytes, float element size), first occurrence
+    for (si, ci, v, itemsize), cid in zip(small, ids):
         have = index.get(cid) if index is not None else None
         if have is None and cid not in new:
-            new[cid] = v
+            new[cid] = (v, itemsize)
     placed: Dict[str, ChunkRef] = {}
     if new:
-        items = list(new.items())
-        groups = plan_packs([len(v) for _, v in items], packing.target_size)
+        items = [(cid, v, itemsize) for cid, (v, itemsize) in new.items()]
+        groups = plan_packs([len(v) for _, v, _ in items], packing.target_size)
 
         def one_pack(group):
             t0 = time.perf_counter()
@@ -181,5 +185,5 @@ def _pack_small(small, results, blobs, index, packing, buffers, codec, level, ex
         for f in [executor.submit(one_pack, g) for g in groups]:
             for r in f.result():
                 placed[r.blob_id] = r
-    for (si, ci, v), cid in zip(small, ids):
+    for (si, ci, v, _), cid in zip(small, ids):
         results[si][ci] = placed.get(cid) or index.get(cid)

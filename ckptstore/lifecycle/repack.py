@@ -102,8 +102,9 @@ def copy_chunks(src, dst, refs, *, executor, buffers: PackBuffers, target_size: 
     bytes each, as a save plans them) and make those durable. Returns chunk id -> its new reference.
 
     One buffer per distinct chunk: the caller bounds ``refs`` (repack and a ranged pull batch them by
-    ``target_size``). Chunks keep zstd when any of them was zstd (re-encoded, kept only where it saves >= 3%,
-    as a save does), so ``stored`` comes from the new pack. Raises ``CorruptCheckpointError`` naming ``step``
+    ``target_size``). When any chunk was compressed, all are re-encoded as ``Writing(codec="auto")`` would
+    (a planes chunk with the element size its frame named, the others as zstd where it pays; each kept only where
+    it saves >= 3%, as a save does), so ``stored`` comes from the new pack. Raises ``CorruptCheckpointError`` naming ``step``
     and the chunk for an unreadable or damaged chunk, before anything is written; ``OSError`` from ``dst``.
     Shared by repack (``src is dst``) and a ranged pull (remote -> local, see :mod:`ckptstore.remote.transfer`)."""
     chunks: Dict[str, ChunkRef] = {}
@@ -112,9 +113,9 @@ def copy_chunks(src, dst, refs, *, executor, buffers: PackBuffers, target_size: 
     items = [ReadItem(ref, memoryview(bytearray(ref.nbytes)), step=step) for ref in chunks.values()]
     for f in read_chunks(src, items, executor=executor, gap=src.coalesce_gap):
         f.result()
-    codec = "zstd" if any(it.ref.codec == "zstd" for it in items) else "raw"
+    codec = "auto" if any(it.ref.codec != "raw" for it in items) else "raw"
     groups = plan_packs([it.ref.nbytes for it in items], target_size)
-    futures = [executor.submit(write_pack, dst, [(items[i].ref.blob_id, items[i].out) for i in g], codec=codec,
+    futures = [executor.submit(write_pack, dst, [(items[i].ref.blob_id, items[i].out, items[i].itemsize) for i in g], codec=codec,
                                level=1, buffers=buffers) for g in groups]
     new: Dict[str, ChunkRef] = {}
     for f in futures:

@@ -43,7 +43,7 @@ import msgpack
 import torch
 
 from ..distributed.peers import PeerGroup
-from ..format.blobs import BlobStore, digest_bytes
+from ..format.blobs import CODECS, BlobStore, digest_bytes
 from ..util.errors import CheckpointError, CorruptCheckpointError
 from ..format.layout import blob_path, check_blob_id, commit_path, manifest_path, pack_path, shards_path
 from ..format.manifest import Manifest, decode_commit, decode_manifest
@@ -184,7 +184,7 @@ def _object_path(obj) -> Tuple[str, str, str, int, int]:
     if not isinstance(obj, list) or len(obj) != 5:
         raise CorruptCheckpointError(f"malformed object in a peer's offer: {obj!r:.100}")
     kind, oid, codec, nbytes, size = obj
-    if kind not in ("blob", "pack") or not isinstance(oid, str) or codec not in ("raw", "zstd") \
+    if kind not in ("blob", "pack") or not isinstance(oid, str) or codec not in CODECS \
             or not isinstance(nbytes, int) or not isinstance(size, int) or nbytes < 0 or size < 0:
         raise CorruptCheckpointError(f"malformed object in a peer's offer: {obj!r:.100}")
     check_blob_id(oid)

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
-from ..format.blobs import CODECS
+from ..format.blobs import WRITE_CODECS
 from ..format.packs import Packing
 from ..lifecycle.retention import Retention
 from ..lifecycle.rewind import ON_REWIND
@@ -32,9 +32,14 @@ def _count(owner: str, name: str, value, low: int) -> None:
 class Writing:
     """How ``save`` writes (``Store(writing=Writing(...))``). Sizes in bytes.
 
-    ``chunk_size``: maximum bytes per chunk (default 64 MiB, at least 4096). ``codec``: ``"raw"`` (default) or
-    ``"zstd"`` for new blobs, at ``zstd_level``; zstd is kept only where it saves >= 3%; measured here it gains
-    ~8% on fp32 at 0.4-0.5 GB/s per core, slower than the disk, so it is off by default (benchmarks/README.md).
+    ``chunk_size``: maximum bytes per chunk (default 64 MiB, at least 4096). ``codec``: ``"raw"`` (default),
+    ``"zstd"`` for new chunks, at ``zstd_level``, or ``"auto"``: chunks of floating-point tensors (fp64, fp32, bf16,
+    fp16, fp8) as byte planes + zstd (the ``planes`` codec, FORMAT.md; its own fixed zstd parameters), other chunks
+    as zstd at ``zstd_level`` where a sample shows it pays. Any compressed chunk is kept only where it saves >= 3%,
+    else stored raw; chunk ids are the BLAKE3 of the raw bytes whatever the codec. Measured here (issue 30,
+    benchmarks/README.md "bench_codec.py"): zstd saves ~8% on fp32 weights; ``"auto"`` ~17% on fp32 weights,
+    19-23% on Adam's moments and ~34% on bf16 weights, at 0.25-0.5 GB/s per core to compress (a blocking save
+    took 1.6-2.3x a raw one), so raw stays the default.
     ``workers``: threads hashing / writing / reading chunks (default 4). ``direct_io``: use O_DIRECT for large
     aligned writes where the filesystem supports it. ``packing``: a :class:`~ckptstore.format.packs.Packing` (chunks
     under ``threshold`` bytes, default 4 MiB, go into pack files of about ``target_size`` bytes;
@@ -56,8 +61,8 @@ class Writing:
     packing: Packing = field(default_factory=Packing)
 
     def __post_init__(self):
-        if self.codec not in CODECS:
-            raise ValueError(f"Writing.codec must be one of {CODECS}, got {self.codec!r}")
+        if self.codec not in WRITE_CODECS:
+            raise ValueError(f"Writing.codec must be one of {WRITE_CODECS}, got {self.codec!r}")
         _count("Writing", "chunk_size", self.chunk_size, 4096)
         _count("Writing", "workers", self.workers, 1)
         if isinstance(self.zstd_level, bool) or not isinstance(self.zstd_level, int):

@@ -1,0 +1,238 @@
+"""The planes codec (issue 30): ``Writing(codec="auto")`` stores float chunks as byte planes + zstd. Round trips
+bit for bit through a store (every float dtype, special values, views, odd chunk boundaries, packs and blobs),
+incompressible chunks kept raw, hostile frames refused with an error naming the chunk (and resume falling back),
+older codecs still loading, and a step through a loopback S3 remote."""
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from ckptstore import CorruptCheckpointError, Packing, Remote, Store, Writing
+from ckptstore.format import planes
+from ckptstore.format.manifest import FORMAT_VERSION, PLANES_FORMAT
+from helpers import bits_equal, cli, step_dir
+
+FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
+          torch.complex64]
+BLOBS = Writing(codec="auto", packing=Packing(threshold=0), chunk_size=4099)     # chunks split elements
+
+
+def special(dtype, n=3001, seed=0):
+    """``n`` values of ``dtype``: trained-like values (normal, small), then NaNs with payloads, +-0.0,
+    subnormals and infinities set bit by bit."""
+    g = torch.Generator().manual_seed(seed)
+    t = (torch.randn(n, generator=g, dtype=torch.float64) * 0.02).to(dtype)
+    if dtype.is_floating_point and dtype.itemsize >= 2:
+        ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+        bits = t.view(ints)
+        w = 8 * dtype.itemsize
+        mant = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10, torch.float64: 52}[dtype]
+        exp_all = ((1 << (w - 1 - mant)) - 1) << mant
+        bits[:6] = torch.tensor([exp_all | 1, exp_all | 5, exp_all, 0, 1, 3], dtype=torch.int64).to(ints)
+        bits[6] = -(1 << (w - 1))                                    # -0.0 (sign bit alone)
+        bits[7] = bits[0] | bits[6]                                  # a negative NaN with a payload
+    return t
+
+
+def state_of(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    s = {f"x_{str(d).split('.')[-1]}": special(d, seed=seed) for d in FLOATS}
+    w = torch.randn(64, 96, generator=g) * 0.02
+    s["t"] = w.t()                                                    # a non-contiguous view
+    s["strided"] = w[::3, 1::2]
+    s["empty"] = torch.empty(0, 5)
+    s["scalar"] = torch.tensor(1.5, dtype=torch.bfloat16)
+    s["big"] = torch.randn(70_000, generator=g) * 0.01               # crosses chunk_size many times
+    s["ints"] = torch.arange(5000)
+    return s
+
+
+def codecs_of(store: Store, step: int):
+    """key -> set of codecs of its chunks, from the step's manifest."""
+    m = store.catalog.read_manifest(store.catalog.read_commit(step), 0)
+    return {"/".join(map(str, n.path)): {c.codec for c in e.chunks} for n, e in m.arrays()}
+
+
+@pytest.mark.parametrize("writing", [Writing(codec="auto"), BLOBS], ids=["packed", "blobs"])
+def test_every_float_dtype_round_trips_bit_for_bit(tmp_path, writing):
+    state = state_of()
+    with Store(tmp_path / "s", writing=writing) as s:
+        s.save(state, 1)
+        got = s.load(1)
+        used = codecs_of(s, 1)
+    for k, v in state.items():
+        assert bits_equal(got[k], v.contiguous()), k
+    assert "planes" in used["big"] and "planes" in used["x_float32"] and "planes" in used["x_bfloat16"]
+    assert used["ints"] <= {"zstd", "raw"} and "planes" not in used["ints"]       # no planes for ints
+
+
+def test_auto_keeps_incompressible_chunks_raw(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    noise = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=g)
+    state = {"noise_f32": noise.view(torch.float32).clone(), "noise_u8": noise.clone(),
+             "w": torch.randn(1 << 18, generator=g) * 0.02, "ints": torch.arange(1 << 17)}
+    with Store(tmp_path / "s", writing=Writing(codec="auto")) as s:
+        r = s.save(state, 1)
+        used = codecs_of(s, 1)
+        assert bits_equal(s.load(1), state)
+    assert used == {"noise_f32": {"raw"}, "noise_u8": {"raw"}, "w": {"planes"}, "ints": {"zstd"}}
+    assert r.bytes_written < sum(t.numel() * t.element_size() for t in state.values())
+
+
+def test_older_codecs_still_load_and_keep_their_format(tmp_path):
+    """Steps written raw and zstd load next to planes steps in one store; only a manifest naming a planes chunk
+    is written as format 4 (an older reader refuses it as too new instead of calling it corrupt)."""
+    import msgpack
+    root = tmp_path / "s"
+    states = {1: state_of(1), 2: state_of(2), 3: state_of(3)}
+    for step, codec in ((1, "raw"), (2, "zstd"), (3, "auto")):
+        with Store(root, writing=Writing(codec=codec)) as s:
+            s.save(states[step], step)
+    fmts = {step: msgpack.unpackb((step_dir(root, step) / "manifest-rank00000.msgpack").read_bytes())["format"]
+            for step in (1, 2, 3)}
+    assert fmts == {1: FORMAT_VERSION, 2: FORMAT_VERSION, 3: PLANES_FORMAT}
+    with Store(root, writing=Writing(codec="auto")) as s:
+        for step in (1, 2, 3):
+            assert bits_equal(s.load(step), {k: v.contiguous() for k, v in states[step].items()})
+        assert s.verify() == {1: None, 2: None, 3: None}
+
+
+# -- hostile frames ------------------------------------------------------------------------------------------------
+def _planes_blob(root: Path, store: Store, step: int, key: str):
+    m = store.catalog.read_manifest(store.catalog.read_commit(step), 0)
+    for n, e in m.arrays():
+        if n.path == (key,):
+            c = e.chunks[0]
+            assert c.codec == "planes" and c.pack is None
+            return root / "objects" / c.blob_id[:2] / f"{c.blob_id}.bpl", c
+    raise KeyError(key)
+
+
+def _lie_length(b: bytes) -> bytes:
+    n = struct.unpack_from("<Q", b, 8)[0]
+    return b[:8] + struct.pack("<Q", n - 1) + b[16:]
+
+
+def _lie_plane(b: bytes) -> bytes:                 # the last plane claims one byte more than it stores
+    k = b[6]
+    off = 16 + 9 * (k - 1) + 1
+    return b[:off] + struct.pack("<Q", struct.unpack_from("<Q", b, off)[0] + 1) + b[off + 8:]
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda b: b"XKPL" + b[4:], "not a planes frame"),
+    (lambda b: b[:4] + b"\x09" + b[5:], "version 9"),
+    (lambda b: b[:6] + b"\x03" + b[7:], "element size 3"),
+    (lambda b: b[:len(b) // 2], "planes frame"),
+    (lambda b: b[:10], "shorter than its header"),
+    (_lie_length, "holds"),
+    (_lie_plane, "adds up to"),
+], ids=["magic", "version", "itemsize", "truncated", "header-cut", "lying-length", "lying-plane"])
+def test_damaged_planes_blob_is_a_clear_error_and_resume_falls_back(tmp_path, damage, match):
+    root = tmp_path / "s"
+    g = torch.Generator().manual_seed(0)
+    old, new = {"w": torch.randn(50_000, generator=g)}, {"w": torch.randn(50_000, generator=g)}
+    with Store(root, writing=Writing(codec="auto", packing=Packing(threshold=0))) as s:
+        s.save(old, 1)
+        s.save(new, 2)
+        path, ref = _planes_blob(root, s, 2, "w")
+    path.write_bytes(damage(path.read_bytes()))
+    with Store(root) as s:
+        with pytest.raises(CorruptCheckpointError, match=match) as ei:
+            s.load(2)
+        assert ei.value.step == 2 and ei.value.key == "w" and ei.value.blob == ref.blob_id
+        assert s.verify(2)[2] is not None
+        out = {"w": None}
+        assert s.resume(out) == 1 and torch.equal(out["w"], old["w"])
+
+
+def test_damaged_planes_chunk_in_a_pack_names_the_key(tmp_path):
+    root = tmp_path / "s"
+    g = torch.Generator().manual_seed(0)
+    old = {"a": torch.randn(3000, generator=g), "b": torch.randn(3000, generator=g)}
+    new = {k: v + 1 for k, v in old.items()}
+    with Store(root, writing=Writing(codec="auto")) as s:
+        s.save(old, 1)
+        s.save(new, 2)
+        m = s.catalog.read_manifest(s.catalog.read_commit(2), 0)
+        ref = next(e.chunks[0] for n, e in m.arrays() if n.path == ("b",))
+    assert ref.codec == "planes" and ref.pack is not None
+    pack = root / "packs" / ref.pack[:2] / f"{ref.pack}.pack"
+    data = bytearray(pack.read_bytes())
+    data[ref.offset] ^= 0xFF                                          # the frame's magic
+    pack.write_bytes(bytes(data))
+    with Store(root) as s:
+        with pytest.raises(CorruptCheckpointError, match="not a planes frame") as ei:
+            s.load(2)
+        assert ei.value.key == "b" and ei.value.step == 2
+        out = {"a": None, "b": None}
+        assert s.resume(out) == 1 and bits_equal(out, old)
+
+
+def test_decoding_is_bounded_by_the_expected_length():
+    """A zstd plane that expands far past its plane (a decompression bomb) is refused without allocating it;
+    so is a frame whose claimed length differs from the one the reader expects."""
+    import zstandard
+    bomb = zstandard.ZstdCompressor(level=19).compress(bytes(64 << 20))             # 64 MiB of zeros, ~2 KiB
+    n = 4096
+    head = struct.pack("<4sBBBBQ", b"CKPL", 1, 0, 1, 1, n) + struct.pack("<BQ", 1, len(bomb))
+    with pytest.raises(planes.FrameError, match="more than its"):
+        planes.decode_into(head + bomb, memoryview(bytearray(n)))
+    frame = planes.encode(np.arange(1000, dtype=np.float32).tobytes(), 4)
+    with pytest.raises(planes.FrameError, match="holds 4000 bytes, expected 4004"):
+        planes.decode_into(frame, memoryview(bytearray(4004)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.binary(max_size=3000), itemsize=st.sampled_from([1, 2, 4, 8]),
+       transform=st.sampled_from([planes.NONE, planes.EXPONENT]))
+def test_planes_round_trip_any_bytes(data, itemsize, transform):
+    frame = planes.encode(data, itemsize, transform=transform)
+    out = bytearray(len(data))
+    planes.decode_into(frame, memoryview(out))
+    assert bytes(out) == data
+    assert planes.frame_nbytes(frame) == len(data)
+
+
+# -- remote ----------------------------------------------------------------------------------------------------------
+@pytest.mark.remote
+def test_auto_step_uploads_pulls_resumes_and_verifies_on_s3(tmp_path, s3_bucket_url):
+    local = tmp_path / "run"
+    state = state_of()
+    opts = dict(storage_options=s3_bucket_url.storage_options)
+    with Store(local, remote=s3_bucket_url.url, writing=Writing(codec="auto", packing=Packing(threshold=16 << 10)),
+               **opts) as s:
+        s.save(state, 1)
+        s.wait_for_uploads()
+        used = codecs_of(s, 1)
+    assert any("planes" in c for c in used.values())
+    assert any(p.suffix == ".bpl" for p in (local / "objects").rglob("*"))          # some planes chunks are blobs
+    with Store(tmp_path / "pulled", remote=Remote(s3_bucket_url.url, upload=False), **opts) as s:
+        out = {k: None for k in state}
+        assert s.resume(out) == 1 and s.resumed_from["tier"] == "remote"
+        assert bits_equal(out, {k: v.contiguous() for k, v in state.items()})
+        assert s.verify() == {1: None}
+    cli("verify", str(tmp_path / "pulled"))
+
+
+def test_repack_keeps_planes_chunks_planes(tmp_path):
+    """Repack re-encodes the live chunks of mostly dead packs: a planes chunk stays a planes chunk (the element size
+    comes from its old frame), the step loads bit for bit and verifies."""
+    small = Packing(threshold=64 << 10, target_size=1 << 20)
+
+    def state_at(step):
+        return {f"t{i}": torch.randn(1500 + i, generator=torch.Generator().manual_seed(
+            1000 * (step if i % 4 else 0) + i)) * 0.02 for i in range(40)}
+    root = tmp_path / "s"
+    with Store(root, writing=Writing(codec="auto", packing=small)) as s:
+        for step in (1, 2, 3):
+            s.save(state_at(step), step)
+        s.delete_step(1)
+        s.delete_step(2)
+        r = s.gc(grace_seconds=0)
+        assert r.packs_repacked >= 1 and 3 in r.steps_rewritten
+        assert set().union(*codecs_of(s, 3).values()) == {"planes"}
+        assert bits_equal(s.load(3), state_at(3)) and s.verify() == {3: None}
