@@ -6,7 +6,8 @@ alike). Rank 0 starts once every other rank has sent its part, so its time is th
 
 Reports per N: rank 0's agreement time (gather read + fold + shard map + marker + verdict), the time until every
 rank has its verdict, bytes each rank receives and sends, rank 0's gathered bytes and the Python memory it
-allocated at peak during the agreement (tracemalloc, every thread counted: an upper bound), the largest
+allocated at peak during the agreement (tracemalloc, every thread counted: an upper bound; measured in a save
+of its own, since tracing slows Python ~5x: times come from untraced saves), the largest
 key-value store value, keys left in the store, the shard map's and commit marker's sizes, and the growth of
 each from one N to the next.
 
@@ -36,7 +37,7 @@ def resume_figures(job, step: int) -> dict:
     return dict(resume_B=worst["total_B"], resume_rows_B=worst["rows_B"])
 
 
-def rank0_only(n: int, shape: str, roots: int = 0) -> dict:
+def rank0_only(n: int, shape: str, roots: int = 0, trace: bool = False) -> dict:
     """Rank 0's side alone at ``n`` ranks (more simulated ranks than this machine has sockets for): the other
     ranks' parts (computed as in tests/simranks.py) are put in the store by one client, then rank 0 runs the
     save's commit code and broadcasts its verdict; nobody reads it (its keys stay: not counted)."""
@@ -63,7 +64,8 @@ def rank0_only(n: int, shape: str, roots: int = 0) -> dict:
     m = llama_manifest(shape, 0, n, job.grid, 1)
     new_commit, write_marker, write_map, write_rows = job._writers(0, 1)
     gc.collect()
-    tracemalloc.start()
+    if trace:
+        tracemalloc.start()
     t = time.perf_counter()
     ok = commit_across_ranks(coord, tag, 1, manifest=m, own_digest=(_blob("m")[:32].encode(), 4096, 0),
                              bytes_total=m.bytes_total, error=None,
@@ -71,12 +73,14 @@ def rank0_only(n: int, shape: str, roots: int = 0) -> dict:
                              new_commit=new_commit, write_marker=write_marker, write_map=write_map,
                              write_rows=write_rows, gen=0, adopt_run_id=lambda rid: None)
     secs = time.perf_counter() - t
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
+    peak = None
+    if trace:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
     root = job.files[job.roots[0]]
     return dict(n=n, shape=shape, roots=roots, rank0_only=True, committed=ok, rank0_s=round(secs, 3),
-                rank0_gathered_B=coord.bytes_received, peak_alloc_MB=round(peak / 2**20, 1),
-                largest_value_B=max(len(v) for v in [msgpack.packb(job._parts[1], use_bin_type=True)]),
+                rank0_gathered_B=coord.bytes_received,
+                peak_alloc_MB=None if peak is None else round(peak / 2**20, 1), largest_value_B=max(len(v) for v in [msgpack.packb(job._parts[1], use_bin_type=True)]),
                 rx_leader_B=coord.largest_lead + 39 if roots else 0,      # its message + the verdict (39 B)
                 map_B=len(root["1/shards"]), marker_B=len(root["1/COMMIT"]), **resume_figures(job, 1))
 
@@ -114,20 +118,29 @@ def main() -> None:
         setup = time.perf_counter() - t
         try:
             before = job.keys()
+            peak, timed = None, None
             for step in range(1, a.saves + 1):
                 job.precompute(step)
                 gc.collect()
-                tracemalloc.start()
+                # tracemalloc slows Python ~5x (rank 0 at 10,000 ranks: 1.4 s traced, 0.22 s not): the last of
+                # several saves is traced for the peak, the times are the previous save's (untraced)
+                trace = step == a.saves and a.saves > 1
+                if trace:
+                    tracemalloc.start()
                 outs = job.save(step, timeout=600)
-                _, peak = tracemalloc.get_traced_memory()
-                tracemalloc.stop()
-            s = summary(outs)
+                if trace:
+                    _, peak = tracemalloc.get_traced_memory()
+                    tracemalloc.stop()
+                else:
+                    timed = outs
+            s = summary(timed)
+            committed = min(s["committed"], summary(outs)["committed"])
             root = job.files[job.roots[0]]
-            row = dict(n=n, shape=a.shape, roots=a.roots, committed=s["committed"],
+            row = dict(n=n, shape=a.shape, roots=a.roots, committed=committed,
                        rank0_s=round(s["rank0_seconds"], 3), all_done_s=round(s["all_done_seconds"], 3),
                        rx_other_B=s["max_received_other"], rx_leader_B=s["max_received_leader"],
                        tx_other_B=s["max_sent_other"], rank0_gathered_B=s["rank0_received"],
-                       peak_alloc_MB=round(peak / 2**20, 1),
+                       peak_alloc_MB=None if peak is None else round(peak / 2**20, 1),
                        largest_value_B=max(c.largest_value for c in job.coords),
                        keys_left=job.keys() - before, map_B=len(root.get(f"{a.saves}/shards", b"")),
                        marker_B=len(root[f"{a.saves}/COMMIT"]), setup_s=round(setup, 1),
@@ -138,7 +151,8 @@ def main() -> None:
         res.add(f"{n}", row["rank0_s"], **row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     for n in a.rank0_only:
-        row = rank0_only(n, a.shape, a.roots)
+        row = rank0_only(n, a.shape, a.roots)              # timed untraced; then once more for the peak
+        row["peak_alloc_MB"] = rank0_only(n, a.shape, a.roots, trace=True)["peak_alloc_MB"]
         res.add(f"{n} (rank 0 alone)", row["rank0_s"], **row)
         print(json.dumps(row), file=sys.stderr, flush=True)
 

@@ -43,6 +43,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import msgpack
 import numpy as np
 import torch
+import zstandard
 
 from .blobs import CODECS, digest_bytes
 from ..util.errors import CorruptCheckpointError, IncompatibleCheckpointError
@@ -57,7 +58,12 @@ FORMAT_VERSION = 2            # written by this library; 1 and 2 are read (see F
 #: a manifest naming a chunk stored with the planes codec is written as format 4 (readers from before the codec
 #: refuse it as too new, ``IncompatibleCheckpointError``, rather than call the step corrupt); nothing else is
 PLANES_FORMAT = 4
-READ_FORMATS = {"commit": mtable.TABLE_FORMAT, "rows": mtable.TABLE_FORMAT, "manifest": PLANES_FORMAT}
+#: a shard map is written as format 3: its body zstd-compressed (outer field "zstd": the body's raw length),
+#: 3.3x smaller (a 70B-shaped FSDP2 map 61.6 -> 18.3 KB: what a resuming rank reads, issue 29)
+SHARDS_FORMAT = 3
+READ_FORMATS = {"commit": mtable.TABLE_FORMAT, "rows": mtable.TABLE_FORMAT, "manifest": PLANES_FORMAT,
+                "shards": SHARDS_FORMAT}
+MAX_FRAME_BODY = 256 << 20      # the raw length a compressed frame body may claim
 MAX_CHUNK_BYTES = 1 << 40
 MAX_COMMIT_BYTES = 64 << 20     # ~60 bytes per rank: room for a million ranks; read with this bound
 MAGIC = "ckptstore"
@@ -188,10 +194,16 @@ class Commit:
 
 
 # -- framing ------------------------------------------------------------------------------------------------
-def frame(kind: str, body: Dict[str, Any], fmt: int = FORMAT_VERSION) -> bytes:
+def frame(kind: str, body: Dict[str, Any], fmt: int = FORMAT_VERSION, compress: bool = False) -> bytes:
+    """A file's bytes: ``body`` packed (msgpack), with ``compress`` zstd-compressed (outer ``"zstd"``: its raw
+    length), under a BLAKE3 checksum of the stored body (FORMAT.md "Framing")."""
     packed = msgpack.packb(body, use_bin_type=True)
-    return msgpack.packb({"magic": MAGIC, "kind": kind, "format": fmt, "body": packed,
-                          "blake3": bytes.fromhex(digest_bytes(packed))}, use_bin_type=True)
+    outer = {"magic": MAGIC, "kind": kind, "format": fmt}
+    if compress:
+        outer["zstd"] = len(packed)
+        packed = zstandard.ZstdCompressor(level=3).compress(packed)
+    outer.update(body=packed, blake3=bytes.fromhex(digest_bytes(packed)))
+    return msgpack.packb(outer, use_bin_type=True)
 
 
 def unframe(data: bytes, kind: str, *, what: str, step: Optional[int] = None) -> Tuple[Dict[str, Any], int]:
@@ -221,6 +233,16 @@ def unframe(data: bytes, kind: str, *, what: str, step: Optional[int] = None) ->
         raise corrupt("missing body or checksum")
     if digest_bytes(body) != checksum.hex():
         raise corrupt("checksum mismatch")
+    raw = outer.get("zstd")
+    if raw is not None:                  # a compressed body (checked above as stored): bounded by its claim
+        if not isinstance(raw, int) or isinstance(raw, bool) or not 0 < raw <= MAX_FRAME_BODY:
+            raise corrupt(f"bad compressed body length {raw!r:.40}")
+        try:
+            body = zstandard.ZstdDecompressor().decompress(body, max_output_size=raw)
+        except zstandard.ZstdError as e:
+            raise corrupt(f"compressed body does not decode ({e})") from None
+        if len(body) != raw:
+            raise corrupt(f"compressed body holds {len(body)} bytes, its frame says {raw}")
     try:
         decoded = msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True)
     except Exception as e:

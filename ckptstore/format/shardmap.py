@@ -54,7 +54,7 @@ import msgpack
 import numpy as np
 
 from ..util.errors import CorruptCheckpointError
-from .manifest import ARRAY_KINDS, CONTAINER_KINDS, Manifest, frame, unframe
+from .manifest import ARRAY_KINDS, CONTAINER_KINDS, SHARDS_FORMAT, Manifest, frame, unframe
 from ..state.sharding import (Intervals, Parsed, SavedShard, ShardIndex, _chunk, _merge, _select, _split,  # noqa: F401
                               parse_placements)
 from ..state.flatten import KeyPath, path_str
@@ -344,7 +344,8 @@ def build_rule(step: int, world_size: int, m: Manifest, rank_local: Optional[Lis
     rule = 2 if any(len(shape) != len(info) for (shape, _), info in
                     zip((grids[k[1]] for k in keys), (k[3] for k in keys))) else 1
     return frame("shards", {"step": step, "world_size": world_size, "rule": rule, "meshes": meshes, "keys": keys,
-                            "rank_local": None if rank_local is None else [list(p) for p in rank_local]})
+                            "rank_local": None if rank_local is None else [list(p) for p in rank_local]},
+                 SHARDS_FORMAT, compress=True)
 
 
 def owner_ranks(step: int, world_size: int, m: Manifest, limit: int = 16) -> Optional[List[int]]:

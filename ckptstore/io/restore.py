@@ -163,7 +163,7 @@ class StepLoader:
                     smap = self.catalog.read_shard_map(self.commit)
                     smap.check_manifest(base, self.commit.step)
                     self._map = smap
-                except CorruptCheckpointError as e:
+                except (CorruptCheckpointError, IncompatibleCheckpointError) as e:     # damaged, or a newer format
                     log.warning("step %d: shard map unusable, reading every rank's manifest instead: %s",
                                 self.commit.step, e)
         return self._map

@@ -9,13 +9,12 @@ a changed world size, the path that consults the map."""
 import logging
 import shutil
 
-import msgpack
 import pytest
 
 from ckptstore import CorruptCheckpointError, Store
 from ckptstore.format.blobs import digest_bytes
 from ckptstore.format.layout import shards_path
-from ckptstore.format.manifest import frame
+from ckptstore.format.manifest import frame, unframe
 from ckptstore.format.shardmap import key_hash
 from helpers import bits_equal, rewrite_frame, rewrite_manifest, step_dir
 
@@ -29,8 +28,7 @@ def saved(fsdp_two_rank_store):
     with Store(fsdp_two_rank_store, rank=0, world_size=1) as s:
         assert s.steps() == [1, STEP]
         commit = s.catalog.read_commit(STEP)
-        body = msgpack.unpackb(msgpack.unpackb(s.storage.read_bytes(shards_path(STEP, commit.shards[2])))["body"],
-                               strict_map_key=False)
+        body = unframe(s.storage.read_bytes(shards_path(STEP, commit.shards[2])), "shards", what="map")[0]
         manifests = [s.catalog.read_manifest(commit, r) for r in range(2)]
         return fsdp_two_rank_store, s.load(STEP), body, manifests
 
@@ -94,7 +92,7 @@ def _boxes_map(body, manifests, how):
                             "rank_local": body["rank_local"]})
 
 
-DAMAGE = ["undecodable", "not_a_map_frame", "rule_unknown_hash", "rule_key_missing", "rule_wrong_placements",
+DAMAGE = ["undecodable", "not_a_map_frame", "zstd_length_lies", "zstd_not_zstd", "rule_unknown_hash", "rule_key_missing", "rule_wrong_placements",
           "rule_wrong_global_shape", "rule_wrong_grid", "rule_wrong_schema", "boxes_unknown_hash",
           "boxes_key_without_boxes", "boxes_not_covering", "boxes_wrong_box"]
 
@@ -104,6 +102,16 @@ def _damaged_map(body, manifests, how) -> bytes:
         return b"\xc1 not msgpack at all"
     if how == "not_a_map_frame":                   # a well-formed frame of another kind
         return frame("commit", {"step": STEP})
+    if how.startswith("zstd_"):                    # format 3's compressed body, checksum valid as stored
+        import msgpack
+        from ckptstore.format.manifest import SHARDS_FORMAT
+        outer = msgpack.unpackb(frame("shards", body, SHARDS_FORMAT, compress=True), raw=False)
+        if how == "zstd_length_lies":
+            outer["zstd"] += 1
+        else:
+            outer["body"] = b"\x28\xb5\x2f\xfd not a zstd frame" + outer["body"][20:]
+            outer["blake3"] = bytes.fromhex(digest_bytes(outer["body"]))
+        return msgpack.packb(outer, use_bin_type=True)
     if how.startswith("rule_"):
         return _rule_map(body, how)
     return _boxes_map(body, manifests, how)
@@ -126,13 +134,16 @@ def test_a_damaged_shard_map_loads_the_step_from_every_manifest(saved, tmp_path,
         assert FALLBACK in caplog.text
 
 
-@pytest.mark.parametrize("how", ["boxes_intact", "rule_intact"])
+@pytest.mark.parametrize("how", ["boxes_intact", "rule_intact", "rule_format2"])
 def test_an_intact_map_of_either_form_is_used_without_a_fallback(saved, tmp_path, caplog, how):
+    """Either form, and the rule form as written before format 3 (an uncompressed body), is read and used."""
     src, expected, body, manifests = saved
     root = tmp_path / "store"
     shutil.copytree(src, root)
     if how == "boxes_intact":
         _write_map(root, _boxes_map(body, manifests, how))
+    elif how == "rule_format2":
+        _write_map(root, frame("shards", body))
     with caplog.at_level(logging.WARNING, logger="ckptstore"), Store(root, rank=0, world_size=1) as s:
         assert bits_equal(s.load(STEP), expected)
     assert FALLBACK not in caplog.text and "shard map" not in caplog.text, caplog.text
