@@ -92,12 +92,20 @@ def flip_byte(path: Path, offset: int = 0) -> None:
 
 
 def rewrite_frame(path: Path, mutate) -> None:
-    """Decode a manifest/commit frame, let ``mutate(body_dict)`` change it, re-encode with a valid checksum."""
-    from ckptstore.format.manifest import frame
+    """Decode a frame (manifest, commit marker, shard map: compressed or not), let ``mutate(body_dict)`` change
+    it, re-encode it with a valid checksum (a compressed body stays compressed, in the frame's format)."""
+    from ckptstore.format.manifest import FORMAT_VERSION, frame
     outer = msgpack.unpackb(path.read_bytes(), raw=False)
-    body = msgpack.unpackb(outer["body"], raw=False, strict_map_key=False)
+    packed = outer["body"]
+    if "zstd" in outer:
+        import zstandard
+        packed = zstandard.ZstdDecompressor().decompress(packed, max_output_size=outer["zstd"])
+    body = msgpack.unpackb(packed, raw=False, strict_map_key=False)
     mutate(body)
-    path.write_bytes(frame(outer["kind"], body))
+    if "zstd" in outer:
+        path.write_bytes(frame(outer["kind"], body, outer["format"], compress=True))
+    else:
+        path.write_bytes(frame(outer["kind"], body, FORMAT_VERSION))
 
 
 def rewrite_manifest(root, step, mutate, rank: int = 0) -> None:
