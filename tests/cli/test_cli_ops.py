@@ -54,23 +54,27 @@ OWN_BYTES = (16 * 8 + 4 * 16) * 4            # enc.weight + head.weight differ p
 
 # -- ls -----------------------------------------------------------------------------------------------------
 def test_ls_unique_bytes_latest_best(five_steps):
-    rows = json.loads(cli("ls", str(five_steps), "--json").stdout)
+    got = iter(two_at_a_time(lambda: cli("ls", str(five_steps), "--json"),          # independent reads, two
+                             lambda: cli("ls", str(five_steps), "--json", "--metric", "acc", "--mode", "max"),
+                             lambda: cli("ls", str(five_steps))))                  # at a time
+    rows = json.loads(next(got).stdout)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     by = {r["step"]: r for r in rows}
     assert all(r["bytes_unique"] == OWN_BYTES for r in rows)        # frozen and the zero bias are shared
     assert all(r["world_size"] == 1 and r["committed"] for r in rows)
     assert [s for s, r in by.items() if r["latest"]] == [5] and [s for s, r in by.items() if r["best"]] == [2]
     assert by[3]["metrics"] == {"loss": 2.0, "acc": 0.3} and "location" not in by[3]
-    rows = json.loads(cli("ls", str(five_steps), "--json", "--metric", "acc", "--mode", "max").stdout)
+    rows = json.loads(next(got).stdout)
     assert [r["step"] for r in rows if r["best"]] == [5]
-    out = cli("ls", str(five_steps)).stdout
+    out = next(got).stdout
     assert "best: step 2 by loss (min)" in out and "latest" in out and "unique" in out and "loss=0.5" in out
 
 
 def test_ls_metric_missing_on_every_step_marks_no_best(five_steps):
-    rows = json.loads(cli("ls", str(five_steps), "--json", "--metric", "nope").stdout)
+    ls, p = two_at_a_time(lambda: cli("ls", str(five_steps), "--json", "--metric", "nope"),
+                          lambda: cli("show", str(five_steps), "--step", "best", "--metric", "nope", check=False))
+    rows = json.loads(ls.stdout)
     assert not any(r["best"] for r in rows)
-    p = cli("show", str(five_steps), "--step", "best", "--metric", "nope", check=False)
     assert p.returncode == 2 and "no committed step has the metric 'nope'" in p.stderr and "Traceback" not in p.stderr
 
 
