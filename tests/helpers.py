@@ -25,6 +25,15 @@ def cli(*args, check=True):
     return p
 
 
+def two_at_a_time(*calls):
+    """Run the zero-argument ``calls`` (each starting a subprocess, e.g. :func:`cli`) two at a time, the test
+    machine's two cores: a command's start-up (importing torch) is most of its time and uses one core. Returns
+    their results in order; the first exception raised is raised."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda call: call(), calls))
+
+
 def bits_equal(a, b) -> bool:
     """``a`` and ``b`` hold the same values bit for bit (tensors and arrays by dtype, shape and bytes; dicts,
     lists and tuples element by element; anything else by ``==`` and type)."""

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ckptstore import Store
-from helpers import chunks_of_key, cli, flip_byte
+from helpers import chunks_of_key, cli, flip_byte, two_at_a_time
 
 
 @pytest.fixture
@@ -17,9 +17,10 @@ def store_dir(tmp_path):
 
 
 def test_ls_table_and_json(store_dir):
-    out = cli("ls", str(store_dir)).stdout
+    table, as_json = two_at_a_time(lambda: cli("ls", str(store_dir)), lambda: cli("ls", str(store_dir), "--json"))
+    out = table.stdout
     assert "2 committed step(s)" in out and "latest" in out and "loss=2.125" in out
-    rows = json.loads(cli("ls", str(store_dir), "--json").stdout)
+    rows = json.loads(as_json.stdout)
     assert [r["step"] for r in rows] == [5, 10] and rows[1]["latest"] and rows[0]["metrics"] == {"loss": 2.5}
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ckptstore import Packing, Store, Writing
-from helpers import blob_files, cli, rewrite_manifest, step_dir
+from helpers import blob_files, cli, rewrite_manifest, step_dir, two_at_a_time
 
 BLOBS = Packing(threshold=0)
 
@@ -54,23 +54,27 @@ OWN_BYTES = (16 * 8 + 4 * 16) * 4            # enc.weight + head.weight differ p
 
 # -- ls -----------------------------------------------------------------------------------------------------
 def test_ls_unique_bytes_latest_best(five_steps):
-    rows = json.loads(cli("ls", str(five_steps), "--json").stdout)
+    got = iter(two_at_a_time(lambda: cli("ls", str(five_steps), "--json"),          # independent reads, two
+                             lambda: cli("ls", str(five_steps), "--json", "--metric", "acc", "--mode", "max"),
+                             lambda: cli("ls", str(five_steps))))                  # at a time
+    rows = json.loads(next(got).stdout)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     by = {r["step"]: r for r in rows}
     assert all(r["bytes_unique"] == OWN_BYTES for r in rows)        # frozen and the zero bias are shared
     assert all(r["world_size"] == 1 and r["committed"] for r in rows)
     assert [s for s, r in by.items() if r["latest"]] == [5] and [s for s, r in by.items() if r["best"]] == [2]
     assert by[3]["metrics"] == {"loss": 2.0, "acc": 0.3} and "location" not in by[3]
-    rows = json.loads(cli("ls", str(five_steps), "--json", "--metric", "acc", "--mode", "max").stdout)
+    rows = json.loads(next(got).stdout)
     assert [r["step"] for r in rows if r["best"]] == [5]
-    out = cli("ls", str(five_steps)).stdout
+    out = next(got).stdout
     assert "best: step 2 by loss (min)" in out and "latest" in out and "unique" in out and "loss=0.5" in out
 
 
 def test_ls_metric_missing_on_every_step_marks_no_best(five_steps):
-    rows = json.loads(cli("ls", str(five_steps), "--json", "--metric", "nope").stdout)
+    ls, p = two_at_a_time(lambda: cli("ls", str(five_steps), "--json", "--metric", "nope"),
+                          lambda: cli("show", str(five_steps), "--step", "best", "--metric", "nope", check=False))
+    rows = json.loads(ls.stdout)
     assert not any(r["best"] for r in rows)
-    p = cli("show", str(five_steps), "--step", "best", "--metric", "nope", check=False)
     assert p.returncode == 2 and "no committed step has the metric 'nope'" in p.stderr and "Traceback" not in p.stderr
 
 
@@ -88,23 +92,32 @@ def test_show_step_forms_and_long_keys_wrap_at_80_columns(tmp_path):
     with Store(root) as s:
         s.save({"model": {LONG_KEY: torch.ones(3, 2)}, "note": "n" * 200}, 7, metrics={"loss": 1.0})
         s.save({"model": {LONG_KEY: torch.ones(3, 2)}, "note": "x"}, 9, metrics={"loss": 2.0})
-    for args in (("7",), ("--step", "7"), ("--step", "best")):
-        out = cli80("show", str(root), *args).stdout
+    forms = (("7",), ("--step", "7"), ("--step", "best"))
+    bad = (("--step", "soon"), ("7", "--step", "9"), ("--step", "-1"))
+    # independent commands on a store nobody writes: run two at a time (each is mostly its start-up)
+    got = iter(two_at_a_time(*[lambda a=a: cli80("show", str(root), *a) for a in forms],
+                             lambda: cli80("show", str(root), "--step", "latest"),
+                             lambda: cli80("show", str(root)),
+                             lambda: cli("show", str(root), "--step", "best", "--json"),
+                             *[lambda b=b: cli("show", str(root), *b, check=False) for b in bad],
+                             lambda: cli("show", str(root), "--step", "8", check=False)))
+    for args in forms:
+        out = next(got).stdout
         assert all(len(line) <= 80 for line in out.splitlines()), out
         assert f"model/{LONG_KEY}" in key_cells(out), out               # wrapped, never cut
         assert "step 7" in out and "float32" in out and "3x2" in out and "…" not in out
-    assert "step 9" in cli80("show", str(root), "--step", "latest").stdout
-    assert "step 9" in cli80("show", str(root)).stdout
-    doc = json.loads(cli("show", str(root), "--step", "best", "--json").stdout)
+    assert "step 9" in next(got).stdout
+    assert "step 9" in next(got).stdout
+    doc = json.loads(next(got).stdout)
     assert doc["step"] == 7 and doc["world_size"] == 1 and doc["ranks"] == [
         {"rank": 0, "bytes": 24, "tensors": 1, "sharded": 0, "chunks": 1}]
     key = next(k for k in doc["keys"] if k["key"] == f"model/{LONG_KEY}")
     assert key["shape"] == [3, 2] and key["bytes"] == 24 and key["sharding"] is None
     assert next(k for k in doc["keys"] if k["key"] == "note")["value"] == "n" * 200
-    for bad in (("--step", "soon"), ("7", "--step", "9"), ("--step", "-1")):
-        p = cli("show", str(root), *bad, check=False)
-        assert p.returncode == 2 and "Traceback" not in p.stderr, (bad, p.stderr)
-    p = cli("show", str(root), "--step", "8", check=False)
+    for b in bad:
+        p = next(got)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, (b, p.stderr)
+    p = next(got)
     assert p.returncode == 2 and "step 8 is not committed" in p.stderr
 
 
@@ -135,22 +148,27 @@ def two_rank_step(root, step=3):
 def test_show_two_rank_step(tmp_path):
     root = tmp_path / "store"
     two_rank_step(root)
-    doc = json.loads(cli("show", str(root), "--json").stdout)
+    got = iter(two_at_a_time(lambda: cli("show", str(root), "--json"),          # independent reads, two at a time
+                             lambda: cli("show", str(root), "--rank", "1", "--json"),
+                             lambda: cli80("show", str(root)),
+                             lambda: cli("ls", str(root), "--json"),
+                             lambda: cli("show", str(root), "--rank", "2", check=False)))
+    doc = json.loads(next(got).stdout)
     assert doc["world_size"] == 2 and doc["mesh"] == [[2]]
     assert [(r["rank"], r["bytes"], r["sharded"]) for r in doc["ranks"]] == [(0, 64 + 8, 1), (1, 64 + 12, 1)]
     w = next(k for k in doc["keys"] if k["key"] == "model/w")
     assert w["kind"] == "dtensor" and w["shape"] == [4, 4] and w["sharding"] == {
         "global_shape": [8, 4], "offset": [0, 0], "mesh": [2], "placements": ["S(0)"]}
     assert next(k for k in doc["keys"] if k["key"] == "model/b")["sharding"] is None
-    doc1 = json.loads(cli("show", str(root), "--rank", "1", "--json").stdout)
+    doc1 = json.loads(next(got).stdout)
     assert next(k for k in doc1["keys"] if k["key"] == "model/w")["sharding"]["offset"] == [4, 0]
-    out = cli80("show", str(root)).stdout
+    out = next(got).stdout
     assert "world size 2" in out and "mesh: 2" in out and "4x4 of 8x4" in out and "S(0)" in out
     assert "72 B" in out and "76 B" in out                                   # per-rank bytes
     assert all(len(line) <= 80 for line in out.splitlines()), out
-    rows = json.loads(cli("ls", str(root), "--json").stdout)
+    rows = json.loads(next(got).stdout)
     assert rows[0]["world_size"] == 2
-    p = cli("show", str(root), "--rank", "2", check=False)
+    p = next(got)
     assert p.returncode == 2 and "no rank 2" in p.stderr
 
 
@@ -158,8 +176,16 @@ def test_show_two_rank_step(tmp_path):
 def test_export_safetensors_and_pt_load_and_equal(five_steps, tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file
-    out = tmp_path / "out" / "model.safetensors"
-    p = cli("export", str(five_steps), str(out), "--step", "best")
+    out, pt, whole = tmp_path / "out" / "model.safetensors", tmp_path / "model.pt", tmp_path / "all.safetensors"
+    refused = (((str(tmp_path / "x.txt"),), "cannot tell the format"),
+               ((str(tmp_path / "y.safetensors"), "--key", "progress"), "holds no tensor"),
+               ((str(tmp_path / "z.safetensors"), "--key", "nope"), "has no key 'nope'"))
+    # exports of a store nobody writes, each to its own file: two at a time (each is mostly its start-up)
+    runs = iter(two_at_a_time(lambda: cli("export", str(five_steps), str(out), "--step", "best"),
+                              lambda: cli("export", str(five_steps), str(pt), "--key", "model/head"),
+                              lambda: cli("export", str(five_steps), str(whole), "--key", "", "--step", "3"),
+                              *[lambda a=a: cli("export", str(five_steps), *a, check=False) for a, _ in refused]))
+    p = next(runs)
     assert "exported step 2" in p.stdout and "verified" in p.stdout
     got, want = load_file(str(out)), model_at(2)
     assert sorted(got) == ["enc.bias", "enc.weight", "head.weight"]
@@ -167,17 +193,13 @@ def test_export_safetensors_and_pt_load_and_equal(five_steps, tmp_path):
                                                                                want["head"]["weight"])
     with safe_open(str(out), "pt") as f:
         assert f.metadata()["format"] == "pt" and f.metadata()["ckptstore_step"] == "2"
-    pt = tmp_path / "model.pt"
-    cli("export", str(five_steps), str(pt), "--key", "model/head")
+    next(runs)
     assert torch.equal(torch.load(pt, weights_only=True)["weight"], model_at(5)["head"]["weight"])
-    whole = tmp_path / "all.safetensors"
-    p = cli("export", str(five_steps), str(whole), "--key", "", "--step", "3")
+    p = next(runs)
     assert "skipped 1 non-tensor" in p.stderr and "progress.step" in p.stderr
     assert torch.equal(load_file(str(whole))["frozen"], FROZEN)
-    for args, msg in (((str(tmp_path / "x.txt"),), "cannot tell the format"),
-                      ((str(tmp_path / "y.safetensors"), "--key", "progress"), "holds no tensor"),
-                      ((str(tmp_path / "z.safetensors"), "--key", "nope"), "has no key 'nope'")):
-        p = cli("export", str(five_steps), *args, check=False)
+    for _, msg in refused:
+        p = next(runs)
         assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert not (tmp_path / "y.safetensors").exists() and not list(tmp_path.glob("*.tmp-*"))
 
@@ -208,10 +230,13 @@ def test_gc_retention_keeps_latest_and_best(five_steps):
     assert len(blob_files(five_steps)) == before - 4                      # 2 own blobs of each dropped step
     p = cli("gc", str(five_steps), "--keep-best", "1", "--metric", "acc", "--mode", "max", "--grace", "0")
     assert "keeping [5]" in p.stdout                 # best by acc is also the latest; step 2 (best loss) dropped
-    rows = json.loads(cli("ls", str(five_steps), "--json").stdout)
+    got = iter(two_at_a_time(lambda: cli("ls", str(five_steps), "--json"),     # reads (and a refused gc), two
+                             lambda: cli("verify", str(five_steps)),          # at a time
+                             lambda: cli("gc", str(five_steps), "--keep-last", "0", check=False)))
+    rows = json.loads(next(got).stdout)
     assert [r["step"] for r in rows] == [5] and rows[0]["latest"]
-    assert "step 5: ok" in cli("verify", str(five_steps)).stdout
-    p = cli("gc", str(five_steps), "--keep-last", "0", check=False)
+    assert "step 5: ok" in next(got).stdout
+    p = next(got)
     assert p.returncode == 2 and "Traceback" not in p.stderr
 
 
@@ -326,28 +351,40 @@ def test_every_command_on_a_remote_store(tmp_path, request, kind):
     with Store(local) as s:
         s.delete_step(1)
     url = target.url
-    rows = json.loads(cli("ls", url, "--json", "--storage-options", opts).stdout)
+    dest, out = tmp_path / "pulled", tmp_path / "m.safetensors"
+    # the commands that only read the remote (pull and export write locally), two at a time (each is mostly
+    # its start-up); gc after them, then the reads that see its result
+    got = iter(two_at_a_time(
+        lambda: cli("ls", url, "--json", "--storage-options", opts),
+        lambda: cli("ls", str(local), "--remote", url, "--json", "--storage-options", opts),
+        lambda: cli("ls", str(local), "--remote", url, "--storage-options", opts),
+        lambda: cli("show", url, "--step", "best", "--json", "--storage-options", opts),
+        lambda: cli("verify", url, "--storage-options", opts),
+        lambda: cli("pull", url, "--to", str(dest), "--step", "1", "--storage-options", opts),
+        lambda: cli("export", url, str(out), "--step", "latest", "--storage-options", opts)))
+    rows = json.loads(next(got).stdout)
     assert [(r["step"], r["bytes_unique"], r["best"], r["latest"]) for r in rows] == [
         (1, OWN_BYTES, False, False), (2, OWN_BYTES, True, False), (3, OWN_BYTES, False, True)]
-    rows = json.loads(cli("ls", str(local), "--remote", url, "--json", "--storage-options", opts).stdout)
+    rows = json.loads(next(got).stdout)
     assert [(r["step"], r["location"]) for r in rows] == [(1, "remote"), (2, "both"), (3, "both")]
-    out = cli("ls", str(local), "--remote", url, "--storage-options", opts).stdout
-    assert "where" in out and "remote" in out and "both" in out
-    doc = json.loads(cli("show", url, "--step", "best", "--json", "--storage-options", opts).stdout)
+    text = next(got).stdout
+    assert "where" in text and "remote" in text and "both" in text
+    doc = json.loads(next(got).stdout)
     assert doc["step"] == 2 and any(k["key"] == "model/enc.weight" for k in doc["keys"])
-    assert "step 3: ok" in cli("verify", url, "--storage-options", opts).stdout
-    dest = tmp_path / "pulled"
-    p = cli("pull", url, "--to", str(dest), "--step", "1", "--storage-options", opts)
+    assert "step 3: ok" in next(got).stdout
+    p = next(got)
     assert "pulled step 1" in p.stdout and "step 1: verified" in p.stdout
-    out = tmp_path / "m.safetensors"
-    cli("export", url, str(out), "--step", "latest", "--storage-options", opts)
+    next(got)
     assert torch.equal(load_file(str(out))["head.weight"], model_at(3)["head"]["weight"])
     p = cli("gc", url, "--keep-last", "1", "--grace", "0", "--storage-options", opts)
     assert "keeping [2, 3]" in p.stdout and "deleted step 1" in p.stdout
-    rows = json.loads(cli("ls", url, "--json", "--storage-options", opts).stdout)
+    got = iter(two_at_a_time(lambda: cli("ls", url, "--json", "--storage-options", opts),
+                             lambda: cli("verify", url, "--storage-options", opts),
+                             lambda: cli("show", url, "--step", "1", "--storage-options", opts, check=False)))
+    rows = json.loads(next(got).stdout)
     assert [r["step"] for r in rows] == [2, 3]
-    assert "step 2: ok" in cli("verify", url, "--storage-options", opts).stdout
-    p = cli("show", url, "--step", "1", "--storage-options", opts, check=False)
+    assert "step 2: ok" in next(got).stdout
+    p = next(got)
     assert p.returncode == 2 and "not committed" in p.stderr and "Traceback" not in p.stderr
 
 

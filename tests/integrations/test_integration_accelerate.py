@@ -84,15 +84,9 @@ def test_sigkill_mid_run_resumes_bit_for_bit(tmp_path, world, request):
     # retention sweep waits (5 s) for the other ranks' next save, which stalls the loop (a core issue)
     keep = ("--keep", "3" if world == 1 else "0")
     ref = tmp_path / "ref"
-    res = results(start(world, ref / "store", tmp_path / "ref.log", *keep))
-    per_epoch = 10 // world                    # 40 samples, batches of 4, split over the ranks
-    assert res[0]["start"] is None and res[0]["progress"] == {"epoch": STEPS // per_epoch,
-                                                              "batch": STEPS % per_epoch, "step": STEPS}
-    assert {"model", "optimizer", "scheduler", "accelerator", "rng", "progress"} <= set(res[0]["keys"])
-    if world > 1:           # DDP: rank 0 alone saves the replicated entries
-        assert set(res[0]["replicated"]) == {"model", "optimizer", "scheduler", "accelerator"}
-    reference = {s: v[0] for s, v in read_losses(tmp_path / "ref.log").items()}
-
+    # the uninterrupted run (own store, log and port) runs beside the first run below: that one mostly sleeps
+    # between its steps (its kill window), so the two overlap instead of taking turns
+    ref_procs = start(world, ref / "store", tmp_path / "ref.log", *keep)
     run = tmp_path / "run"
     log = tmp_path / "run.log"
     cmd = ("--step-sleep", "0.15", *keep)
@@ -101,7 +95,20 @@ def test_sigkill_mid_run_resumes_bit_for_bit(tmp_path, world, request):
         url, so = request.getfixturevalue("s3_bucket_url")
         cmd = ("--step-sleep", "0.3", *keep, "--remote", url, "--so", json.dumps(so))
         uploaded = lambda: bool(_remote_steps(url, so))  # noqa: E731
-    kill_after(start(world, run / "store", log, *cmd), log, 13, until=uploaded)   # mid-epoch, after an epoch boundary
+    try:                    # killed mid-epoch, after an epoch boundary
+        kill_after(start(world, run / "store", log, *cmd), log, 13, until=uploaded)
+    except BaseException:
+        for p in ref_procs:
+            os.killpg(p.pid, signal.SIGKILL)
+        raise
+    res = results(ref_procs)
+    per_epoch = 10 // world                    # 40 samples, batches of 4, split over the ranks
+    assert res[0]["start"] is None and res[0]["progress"] == {"epoch": STEPS // per_epoch,
+                                                              "batch": STEPS % per_epoch, "step": STEPS}
+    assert {"model", "optimizer", "scheduler", "accelerator", "rng", "progress"} <= set(res[0]["keys"])
+    if world > 1:           # DDP: rank 0 alone saves the replicated entries
+        assert set(res[0]["replicated"]) == {"model", "optimizer", "scheduler", "accelerator"}
+    reference = {s: v[0] for s, v in read_losses(tmp_path / "ref.log").items()}
     committed = Store(run / "store", read_only=True).steps()
     assert committed and 10 < max(committed) < STEPS
     if world == 1:

@@ -189,11 +189,15 @@ def test_ddp_two_ranks_killed_and_resumed_bit_for_bit(tmp_path):
                       "--log", str(tmp_path / name / "log"), "--steps", steps, *extra)
 
     ref_job = job("ref")
+    killed = job("run", "--kill-at", "3")       # beside the uninterrupted job (own dirs and port): they overlap
+    try:
+        killed.wait(240)
+    except BaseException:
+        ref_job.kill()
+        raise
     ref_out = ref_job.check(240)
     assert all(r is not None for r in ref_out.values())
     ref = as_ref(read_runs(tmp_path / "ref" / "log"))
-    killed = job("run", "--kill-at", "3")
-    killed.wait(240)
     assert [p.returncode for p in killed.procs] == [-9, -9], killed.outputs
     out = job("run").check(240)
     assert out[0]["resumed_step"] == 2 and out[1]["resumed_step"] == 2

@@ -229,12 +229,18 @@ def test_ddp_two_ranks_kill_and_resume_bit_for_bit(tmp_path):
     and restarted with ``ckpt_path=io.resume_path()`` on both ranks: each rank's losses equal the uninterrupted
     job's, bit for bit (rank 0 saves; every rank loads through a read-only store)."""
     ref_dir = tmp_path / "ref"
-    Run(ref_dir, "--strategy", "ddp", "--steps", "8", world=2).finish()
-    run_dir = tmp_path / "run"
+    ref_job = Run(ref_dir, "--strategy", "ddp", "--steps", "8", world=2)
+    run_dir = tmp_path / "run"                  # beside the uninterrupted job (own dirs and port): they overlap
     job = Run(run_dir, "--strategy", "ddp", "--resume", "io", "--steps", "8", "--stall-at", "6", world=2)
-    assert job.wait_saving(4), job.output()
-    time.sleep(0.3)
-    job.kill()
+    try:
+        assert job.wait_saving(4), job.output()
+        time.sleep(0.3)
+    except BaseException:
+        ref_job.kill()
+        raise
+    finally:
+        job.kill()
+    ref_job.finish()
     out = Run(run_dir, "--strategy", "ddp", "--resume", "io", "--steps", "8", world=2).finish()
     assert all(r["ckpt_path"] is not None and r["global_step"] == 8 for r in out), out
     for r in (0, 1):

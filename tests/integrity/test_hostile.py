@@ -22,7 +22,8 @@ import torch
 from ckptstore import (IncompatibleCheckpointError, CheckpointError, CorruptCheckpointError, Packing, Store,
                        UploadError, Remote, Retention, Writing)
 from ckptstore.util.retry import RetryPolicy
-from helpers import TESTS, blobs_of_key, chunks_of_key, cli, flip_byte, rewrite_frame, rewrite_manifest, step_dir
+from helpers import (TESTS, blobs_of_key, chunks_of_key, cli, flip_byte, rewrite_frame, rewrite_manifest, step_dir,
+                     two_at_a_time)
 
 BLOBS = Packing(threshold=0)
 SHARED = torch.arange(4096, dtype=torch.float32)
@@ -312,9 +313,10 @@ def test_cli_prints_user_data_as_text(tmp_path):
     root = tmp_path / "run[/x]"
     with Store(root) as s:
         s.save({"a[/x]": {"[red]k[/red]": torch.ones(2), "v": "[bold]x[/]"}}, 1, metrics={"[/x]": "[/y]"})
-    out = cli("show", str(root), "1").stdout
+    show, ls = two_at_a_time(lambda: cli("show", str(root), "1"), lambda: cli("ls", str(root)))
+    out = show.stdout
     assert "a[/x]/[red]k[/red]" in out and "[bold]x[/]" in out and "[/x]" in out
-    out = cli("ls", str(root)).stdout
+    out = ls.stdout
     assert "run[/x]" in out and "[/x]=[/y]" in out
 
 
@@ -352,10 +354,12 @@ UNREACHABLE = {"endpoint_url": "http://127.0.0.1:9", "key": "AKIAFUZZKEY", "secr
 
 def test_cli_unreachable_endpoint_is_one_line_without_secrets(tmp_path):
     opts = json.dumps(UNREACHABLE)
-    p = cli("ls", "s3://URLKEY:urlSECRETvalue@bucket/run", "--storage-options", opts, check=False)
+    p, p2 = two_at_a_time(   # independent commands, two at a time (each is mostly its start-up)
+        lambda: cli("ls", "s3://URLKEY:urlSECRETvalue@bucket/run", "--storage-options", opts, check=False),
+        lambda: cli("--debug", "verify", "s3://URLKEY:urlSECRETvalue@bucket/run", "--storage-options", opts,
+                    check=False))
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and p.stderr.startswith("Error:")
-    p2 = cli("--debug", "verify", "s3://URLKEY:urlSECRETvalue@bucket/run", "--storage-options", opts, check=False)
     assert p2.returncode == 2 and "Traceback" in p2.stderr
     for out in (p.stdout + p.stderr, p2.stdout + p2.stderr):
         for secret in ("urlSECRETvalue", "sEcReT/optionvalue", "AKIAFUZZKEY"):
@@ -363,8 +367,10 @@ def test_cli_unreachable_endpoint_is_one_line_without_secrets(tmp_path):
 
 
 def test_cli_usage_error_exit_status(tmp_path):
-    assert cli("ls", check=False).returncode == 2
-    assert cli("ls", str(tmp_path / "missing"), check=False).returncode == 2
+    bare, missing = two_at_a_time(lambda: cli("ls", check=False),
+                                  lambda: cli("ls", str(tmp_path / "missing"), check=False))
+    assert bare.returncode == 2
+    assert missing.returncode == 2
 
 
 # -- 5. an error after the commit marker is not a failed save ----------------------------------------------------

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ckptstore import CorruptCheckpointError, Memory, Packing, Store, Writing
-from helpers import bits_equal, chunks_of_key, cli, flip_byte
+from helpers import bits_equal, chunks_of_key, cli, flip_byte, two_at_a_time
 
 N = 64 * 1024                                       # 256 KiB of float32 per step: a blob of its own
 STEPS, DISK_EVERY, KEEP = 7, 3, 3                   # memory: 5, 6, 7; disk: 3, 6
@@ -137,18 +137,21 @@ def test_cli_ls_marks_memory_steps(tmp_path, mem_dir):
         save_run(store)
         want = store.step_tiers()
     disk = str(tmp_path / "disk")
-    rows = json.loads(cli("ls", disk, "--memory", str(mem_dir), "--json").stdout)
+    as_json, table, plain = two_at_a_time(lambda: cli("ls", disk, "--memory", str(mem_dir), "--json"),  # reads,
+                                          lambda: cli("ls", disk, "--memory", str(mem_dir)),   # two at a time
+                                          lambda: cli("ls", disk, "--json"))
+    rows = json.loads(as_json.stdout)
     committed = [r for r in rows if r["committed"]]
     assert {r["step"]: r["tiers"] for r in committed} == want
     by = {r["step"]: r for r in committed}
     assert by[7]["latest"] and by[7]["names"] == ["ckpt-7"] and by[7]["metrics"] == {"loss": 1.0 / 7}
     assert by[7]["bytes_total"] > N * 4
-    out = cli("ls", disk, "--memory", str(mem_dir)).stdout
+    out = table.stdout
     assert "where" in out and "memory+local" in out and f"memory {mem_dir}" in out
     lines = {ln.split()[1]: ln for ln in out.splitlines() if ln.split()[1:2] and ln.split()[1].isdigit()}
     assert "memory+local" not in lines["7"] and "memory" in lines["7"], out
     # without --memory, as before: the disk's steps only, no where column
-    plain = json.loads(cli("ls", disk, "--json").stdout)
+    plain = json.loads(plain.stdout)
     assert [r["step"] for r in plain if r["committed"]] == [3, 6] and all("tiers" not in r for r in plain)
 
 
