@@ -122,23 +122,10 @@ def decode_into(codec: str, payload, out: memoryview) -> int:
 
 
 def decompress_into(payload, out: memoryview) -> int:
-    """Decode the zstd frame ``payload`` into ``out``, producing at most ``len(out)`` bytes; return how many.
-
-    Streams: the frame header's content size is never trusted (a 20-byte frame may claim 64 GiB, and
-    ``ZstdDecompressor.decompress`` would allocate it). Raises ``ValueError`` when the frame holds more than
-    ``len(out)`` bytes, ``zstandard.ZstdError`` when it is damaged.
-    """
-    n = len(out)
-    reader = zstandard.ZstdDecompressor().stream_reader(payload, read_size=1 << 20)
-    got = 0
-    while got < n:
-        k = reader.readinto(out[got:])
-        if not k:
-            break
-        got += k
-    if got == n and reader.read(1):
-        raise ValueError(f"zstd frame holds more than the {n} bytes declared")
-    return got
+    """Decode the zstd frame ``payload`` into ``out``, producing at most ``len(out)`` bytes; return how many
+    (bounded, streaming: :func:`ckptstore.format.planes.zstd_into`). Raises ``ValueError`` when the frame holds
+    more than ``len(out)`` bytes, ``zstandard.ZstdError`` when it is damaged."""
+    return planes.zstd_into(payload, out)
 
 
 def decompress(payload, nbytes: int) -> bytes:

@@ -153,23 +153,35 @@ def frame_nbytes(frame) -> int:
     return parse_header(frame)[2]
 
 
-def _zstd_into(payload, out: memoryview) -> int:
-    """Decode one zstd frame into ``out``, at most ``len(out)`` bytes, streaming (the frame's own content size
-    is not trusted); a frame holding more raises :class:`FrameError`."""
+def zstd_into(payload, out: memoryview) -> int:
+    """Decode the zstd frame ``payload`` into ``out``, producing at most ``len(out)`` bytes; return how many.
+
+    Streams: the frame header's content size is never trusted (a 20-byte frame may claim 64 GiB, and
+    ``ZstdDecompressor.decompress`` would allocate it). Raises ``ValueError`` when the frame holds more than
+    ``len(out)`` bytes, ``zstandard.ZstdError`` when it is damaged. (Also a zstd blob's decoder:
+    :func:`ckptstore.format.blobs.decompress_into`.)
+    """
     n = len(out)
+    reader = zstandard.ZstdDecompressor().stream_reader(payload, read_size=_DCTX_READ)
+    got = 0
+    while got < n:
+        k = reader.readinto(out[got:])
+        if not k:
+            break
+        got += k
+    if got == n and reader.read(1):
+        raise ValueError(f"zstd frame holds more than the {n} bytes declared")
+    return got
+
+
+def _zstd_into(payload, out: memoryview) -> int:
+    """:func:`zstd_into` of one plane, its failures as :class:`FrameError`."""
     try:
-        reader = zstandard.ZstdDecompressor().stream_reader(payload, read_size=_DCTX_READ)
-        got = 0
-        while got < n:
-            k = reader.readinto(out[got:])
-            if not k:
-                break
-            got += k
-        if got == n and reader.read(1):
-            raise FrameError(f"planes frame: a plane holds more than its {n} bytes")
+        return zstd_into(payload, out)
     except zstandard.ZstdError as e:
         raise FrameError(f"planes frame: a plane does not decode ({e})") from None
-    return got
+    except ValueError:
+        raise FrameError(f"planes frame: a plane holds more than its {len(out)} bytes") from None
 
 
 def decode_into(frame, out: memoryview) -> None:
