@@ -249,6 +249,11 @@ def _await_verdict(coord: Coordinator, tag: str, timeout: float) -> Dict[str, An
         return coord.broadcast(f"{tag}/verdict", None, timeout + slack, drop=drop)
 
 
+def _row_map(rows: List[List[Any]]) -> Dict[int, Tuple[bytes, int, int]]:
+    """``[[rank, digest, size, generation], ...]`` (a leader's message) -> rank -> row."""
+    return {int(q): (d, int(sz), int(g)) for q, d, sz, g in rows}
+
+
 def _rank(k: str):
     try:
         return int(k)
@@ -293,9 +298,10 @@ def commit_across_ranks(coord: Coordinator, tag: str, step: int, *, manifest: Op
     ``mtable.INLINE_ROWS`` ranks, written before the marker); a leader writes its root's manifest rows through
     ``write_rows(table digest, rows, refs)`` before the marker (``refs``: the rows of the ranks owning chunks its
     ranks hold too, from :func:`shardmap.owner_ranks`, each rank's part naming its owners past
-    ``mtable.INLINE_ROWS`` ranks: the root's uploader confirms the objects it leaves to them by those rows); ``new_commit(manifest table, bytes total)`` makes the
-    marker's contents. ``on_table(table digest)``: every rank, once committed, when the marker names a manifest
-    table (the verdict carries its digest: the memory tier writes the rows of the replicas this rank took).
+    ``mtable.INLINE_ROWS`` ranks: the root's uploader confirms the objects it leaves to them by those rows);
+    ``new_commit(manifest table, bytes total)`` makes the marker's contents. ``on_table(table digest)``: every
+    rank, once committed, when the marker names a manifest table (the verdict carries its digest: the memory
+    tier writes the rows of the replicas this rank took).
     ``owners``: the roots upload to a remote (their leaders need the owner rows, see :func:`part_extra`).
     Returns whether this rank wrote a commit marker. Raises :class:`CommitError` (from ``error``)."""
     extra: Dict[str, Any] = {}
@@ -349,8 +355,7 @@ def commit_across_ranks(coord: Coordinator, tag: str, step: int, *, manifest: Op
                 log.warning("step %d: this root's shard map differs from rank 0's: not written", step)
         rows = message.get("rows") or []
         if decoded.table is not None and rows:
-            refs = {int(q): (d, int(sz), int(g)) for q, d, sz, g in message.get("refs") or []}
-            write_rows(decoded.table.digest, {int(q): (d, int(sz), int(g)) for q, d, sz, g in rows}, refs)
+            write_rows(decoded.table.digest, _row_map(rows), _row_map(message.get("refs") or []))
         write_marker(data, None)
 
     def adopt(verdict):                               # rank 0's run id, on every rank, from the first commit

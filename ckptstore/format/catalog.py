@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from .blobs import digest_bytes, read_verified
-from ..util.errors import CorruptCheckpointError, DamagedRead, IncompatibleCheckpointError
+from ..util.errors import CheckpointError, CorruptCheckpointError, DamagedRead, IncompatibleCheckpointError
 from ..state.flatten import gc_paused
 from .layout import STEPS, commit_path, manifest_path, parse_step_dir, shards_path, step_dir
 from .manifest import (MAX_COMMIT_BYTES, Commit, Manifest, decode_commit, decode_manifest, encode_commit_files,
@@ -222,6 +222,17 @@ class Catalog:
     def write_table(self, step: int, table: Optional[bytes]) -> None:
         """Write a manifest table (before the marker naming it); ``None``: nothing to write."""
         mtable.write_files(self.storage, step, table)
+
+    def readable_commits(self) -> Dict[int, Commit]:
+        """Committed step -> its decoded commit marker; a marker that does not decode is left out (a caller
+        judging steps by their markers, e.g. ``best_step``, skips that step)."""
+        out = {}
+        for s in self.committed_steps():
+            try:
+                out[s] = self.read_commit(s)
+            except CheckpointError:
+                continue
+        return out
 
     def write_rows(self, step: int, digest: bytes, rows, refs=None) -> None:
         """Write a rows file: ``rows`` (rank -> (digest, size, generation)) of the table ``digest`` names, into

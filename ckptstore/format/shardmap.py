@@ -364,10 +364,9 @@ def owner_ranks(step: int, world_size: int, m: Manifest, limit: int = 16) -> Opt
     out = {0}
     for n in m.nodes:
         if n.kind == "dtensor":
-            e = n.payload
-            got = smap.ranks(n.path, tuple(e.shard.global_shape), (tuple(e.shard.offset), tuple(e.shape)), 0)
-            if got is not None and len(got) == 1:
-                out.add(got[0])
+            owner = smap.owner(n)
+            if owner is not None:
+                out.add(owner)
                 if len(out) > limit + 1:
                     return None
     out.discard(m.rank)
@@ -546,6 +545,13 @@ class ShardMap:
             if why is not None:
                 raise CorruptCheckpointError(f"the shard map does not describe rank {rank}'s shard of "
                                              f"{path_str(n.path)!r}: {why}", step=step, key=path_str(n.path))
+
+    def owner(self, n) -> Optional[int]:
+        """The owner rank of DTensor manifest node ``n``'s shard (FORMAT.md "One uploader per object"): the one
+        saved rank :meth:`ranks` gives for its box with ``prefer=0``, or ``None`` (no such single rank)."""
+        e = n.payload
+        got = self.ranks(n.path, tuple(e.shard.global_shape), (tuple(e.shard.offset), tuple(e.shape)), 0)
+        return got[0] if got is not None and len(got) == 1 else None
 
     def ranks(self, path: KeyPath, global_shape: Tuple[int, ...], box: Box, prefer: int) -> Optional[List[int]]:
         """The saved ranks whose shards of ``path`` overlap ``box`` (one rank per replicated box: the one on

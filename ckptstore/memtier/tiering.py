@@ -593,18 +593,9 @@ class MemoryTier:
         raise FileNotFoundError(f"no valid committed step in {self.p.root}, {self.disk.where()}")
 
     # -- what Store's best_step, verify and delete_step do with a memory tier -----------------------------------
-    def _memory_commits(self) -> Dict[int, Any]:
-        out = {}
-        for s in self.p.catalog.committed_steps():
-            try:
-                out[s] = self.p.catalog.read_commit(s)
-            except CheckpointError:
-                continue
-        return out
-
     def best_step(self) -> Optional[int]:
         """``Store.best_step`` over the memory root's commit markers too (they carry the step's metrics)."""
-        return self.disk_loader.best_step(self._memory_commits())
+        return self.disk_loader.best_step(self.p.catalog.readable_commits())
 
     def verify(self, step: Optional[int]) -> Dict[int, Optional[str]]:
         """``Store.verify`` of the disk root's steps and the memory root's (``step``: the copies of that step

@@ -179,12 +179,7 @@ class Loader:
         """See ``Store.best_step``; ``more``: commit markers of another tier (the memory tier's) judged too."""
         p = self.p
         metric, mode = (p.keep.metric, p.keep.mode) if p.keep is not None and p.keep.metric else (None, None)
-        commits = dict(more or {})
-        for s in p.catalog.committed_steps():
-            try:
-                commits[s] = p.catalog.read_commit(s)
-            except CheckpointError:
-                continue
+        commits = {**(more or {}), **p.catalog.readable_commits()}
         if p.remote_storage is not None:
             remote = Catalog(p.remote_storage)
 

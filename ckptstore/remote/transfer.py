@@ -513,10 +513,9 @@ class StepCopier:
                     continue
                 e, owner = n.payload, r
                 if n.kind == "dtensor":
-                    got = smap.ranks(n.path, tuple(e.shard.global_shape), (tuple(e.shard.offset), tuple(e.shape)),
-                                     0) if walk else None
-                    if got is not None and len(got) == 1:
-                        owner = got[0]
+                    got = smap.owner(n) if walk else None
+                    if got is not None:
+                        owner = got
                 elif _plain_shared(n, rep, smap.rank_local):
                     owner = 0
                 for c in e.chunks:
