@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--size-mb", type=int, default=1024, help="state size in MiB (default 1024)")
     p.add_argument("--workers", default="4,8", help="ckptstore Remote(workers=) values, comma-separated")
     p.add_argument("--chunk-mb", type=int, default=64, help="ckptstore Writing(chunk_size=) in MiB (default 64)")
+    p.add_argument("--codecs", default="raw",
+                   help="ckptstore Writing(codec=) values, comma-separated (raw, zstd, auto; default raw): one "
+                        "ckptstore contender per codec and worker count (issue 30: does a codec pay on upload?)")
     p.add_argument("--boto-concurrency", type=int, default=8, help="boto3 TransferConfig max_concurrency")
     p.add_argument("--boto-chunk-mb", type=int, default=64, help="boto3 TransferConfig multipart_chunksize")
     p.add_argument("--dedup-workers", type=int, default=None,
@@ -54,6 +57,9 @@ def parse_args(argv: list[str] | None = None):
     args = p.parse_args(argv)
     args.workers = [int(w) for w in str(args.workers).split(",") if w.strip()]
     args.only = [m.strip() for m in args.only.split(",") if m.strip()]
+    args.codecs = [c.strip() for c in str(args.codecs).split(",") if c.strip()]
+    if set(args.codecs) - {"raw", "zstd", "auto"}:
+        p.error(f"--codecs: unknown {sorted(set(args.codecs) - {'raw', 'zstd', 'auto'})}")
     if set(args.only) - {"ckptstore", "s3fs", "boto3"}:
         p.error(f"--only: unknown {sorted(set(args.only) - {'ckptstore', 's3fs', 'boto3'})}")
     if args.dedup_workers is None:
@@ -267,17 +273,17 @@ class Bench:
         m["moto_tmp_files"] = held
         return m
 
-    def ckptstore(self, workers: int, dedup: bool) -> Callable:
+    def ckptstore(self, workers: int, dedup: bool, codec: str = "raw") -> Callable:
         def run(res: H.Results, url: str) -> None:
             from ckptstore import Remote, Store, Writing
             from ckptstore.format.catalog import Catalog
             local = C.fresh_dir(self.run_dir, "local-")
             store = Store(local, remote=Remote(url + "/ckpt", workers=workers), storage_options=self.opts,
-                          writing=Writing(chunk_size=self.args.chunk_mb * MiB))
+                          writing=Writing(chunk_size=self.args.chunk_mb * MiB, codec=codec))
             undo = None
             try:
                 store.wait_for_uploads()                  # the uploader has listed the (empty) remote
-                for step, name in ((1, f"ckptstore upload w={workers}"), (2, DEDUP)):
+                for step, name in ((1, upload_row(workers, codec)), (2, DEDUP)):
                     if step == 2 and not dedup:
                         break
                     probe = Probe()
@@ -295,11 +301,14 @@ class Bench:
                             flip(self.changed)
                     st = store._parts.uploader.uploaded[-1]
                     want = self.size if step == 1 else self.changed_bytes
-                    res.check(name, st.step == step and st.bytes_copied == want
+                    # a codec uploads the stored bytes: at most the raw ones (a chunk is kept raw when nothing pays)
+                    res.check(name, st.step == step and (st.bytes_copied == want if codec == "raw" else
+                                                         0 < st.bytes_copied <= want)
                               and step in Catalog(store.remote_storage).committed_steps())
                     m.update(bytes=st.bytes_copied, local_save_seconds=r.seconds, local_bytes_written=r.bytes_written,
                              blobs=st.blobs_total, blobs_copied=st.blobs_copied, uploader_seconds=st.seconds)
-                    m["note"] = (f"{st.blobs_total} blobs; local save {r.seconds:.2f} s (not counted)" if step == 1 else
+                    m["note"] = (f"{st.blobs_total} blobs, {st.bytes_copied / self.size:.3f} of the raw bytes; local "
+                                 f"save {r.seconds:.2f} s (not counted)" if step == 1 else
                                  f"uploaded {st.bytes_copied / MiB:.0f} MiB = {st.bytes_copied / self.size:.1%} of the "
                                  f"state (changed: {self.changed_bytes / MiB:.0f} MiB), {st.blobs_copied}/"
                                  f"{st.blobs_total} blobs, w={workers}")
@@ -355,15 +364,20 @@ class Bench:
         workers = list(a.workers) if "ckptstore" in a.only else []
         if not a.no_dedup and "ckptstore" in a.only and a.dedup_workers not in workers:
             workers.append(a.dedup_workers)
-        for w in workers:
-            dedup = not a.no_dedup and w == a.dedup_workers
-            out.append(one(f"ckptstore w={w}", self.ckptstore(w, dedup),
-                           (f"ckptstore upload w={w}",) + ((DEDUP,) if dedup else ())))
+        for codec in a.codecs if workers else ():
+            for w in workers:
+                dedup = not a.no_dedup and w == a.dedup_workers and codec == a.codecs[0]
+                out.append(one(f"ckptstore w={w} {codec}", self.ckptstore(w, dedup, codec),
+                               (upload_row(w, codec),) + ((DEDUP,) if dedup else ())))
         if "s3fs" in a.only:
             out.append(one("s3fs put_file", self.s3fs))
         if "boto3" in a.only:
             out.append(one(BOTO, self.boto3))
         return out
+
+
+def upload_row(workers: int, codec: str) -> str:
+    return f"ckptstore upload w={workers}" + ("" if codec == "raw" else f" codec={codec}")
 
 
 def render_breakdown(res: H.Results) -> str:
@@ -404,6 +418,8 @@ def main() -> int:
         C.rmtree(b.run_dir)
     ratios = {"x boto3": BOTO}
     cols = [("MiB/s", lambda r: f"{r.median('bytes') / MiB / r.median():.1f}" if r.values("bytes") else "n/a"),
+            ("local save s", lambda r: f"{r.median('local_save_seconds'):.2f}" if r.values("local_save_seconds")
+             else ""),
             ("moto cpu", lambda r: f"{r.median('moto_cpu'):.1f}"), ("client cpu", lambda r: f"{r.median('client_cpu'):.1f}")]
     print(f"\n{H.banner()}\nUpload of a {b.size / MiB:.0f} MiB fp32 state ({len(b.flat)} tensors) to moto S3 on "
           f"127.0.0.1, median of {args.repeat}. MiB/s = bytes uploaded / median seconds; x boto3 = median / boto3's "
