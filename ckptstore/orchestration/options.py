@@ -59,10 +59,14 @@ class Writing:
     direct_io: bool = True
     track_versions: bool = False
     packing: Packing = field(default_factory=Packing)
+    deltas: int = 0
 
     def __post_init__(self):
         if self.codec not in WRITE_CODECS:
             raise ValueError(f"Writing.codec must be one of {WRITE_CODECS}, got {self.codec!r}")
+        _count("Writing", "deltas", self.deltas, 0)
+        if self.deltas and self.codec != "auto":
+            raise ValueError(f"Writing.deltas={self.deltas} needs Writing.codec='auto', got {self.codec!r}")
         _count("Writing", "chunk_size", self.chunk_size, 4096)
         _count("Writing", "workers", self.workers, 1)
         if isinstance(self.zstd_level, bool) or not isinstance(self.zstd_level, int):

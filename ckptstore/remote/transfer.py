@@ -289,9 +289,11 @@ class StepCopier:
             return payload
         return read_verified(self.src, path, once)
 
-    def _copy_blob(self, step: int, blob_id: str, codec: str, nbytes: int,
+    def _copy_blob(self, step: int, blob_id: str, codec: str, nbytes: int, base: Optional[ChunkRef] = None,
                    stats: Optional[TransferStats] = None) -> int:
         """Copy one blob if ``dst`` lacks it, verifying its bytes first. Returns bytes sent (0 if present).
+        A delta (``base``: its key) is verified by decoding it against its key, read from ``src`` and verified
+        (one more read of the key's raw length per delta copied).
 
         Small blobs on a destination with create-only writes are not looked up first: the write itself is
         conditional (S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``), so a present blob costs one request
@@ -310,7 +312,7 @@ class StepCopier:
             sent = fetched = self._put_verified_file(step, path, local, blob_id, nbytes, "blob", blob_id)
         else:
             payload = self._read_checked(step, path, "blob", blob_id, lambda: self.src.read_bytes(path),
-                                         lambda b: BlobStore.intact(b, blob_id, codec, nbytes))
+                                         self._intact(step, blob_id, codec, nbytes, base))
             wrote = self.call(lambda: self.dst.write_new(path, payload), f"write blob {blob_id}")
             sent, fetched = (len(payload) if wrote else 0), len(payload)
         if stats is not None:
@@ -318,6 +320,16 @@ class StepCopier:
         with self._lock:
             self.known_dst.add(key)
         return sent
+
+    def _intact(self, step: int, blob_id: str, codec: str, nbytes: int, base: Optional[ChunkRef]):
+        """``check(stored bytes) -> bool`` of one blob copied: decoded and hashed (a delta against its key)."""
+        if codec != "delta":
+            return lambda b: BlobStore.intact(b, blob_id, codec, nbytes)
+        if base is None:
+            raise CorruptCheckpointError("a delta chunk names no key", step=step, blob=blob_id)
+        key = bytearray(nbytes)
+        BlobStore(self.src, quarantine=False).read_into(base.blob_id, base.codec, memoryview(key), step=step)
+        return lambda b: BlobStore.intact(b, blob_id, codec, nbytes, key=key, key_id=base.blob_id)
 
     def copy_step(self, step: int, *, ranks=None, marker: str = "write",
                   others_timeout: Optional[float] = None,
@@ -387,9 +399,10 @@ class StepCopier:
         blobs, packs, pack_ends = {}, set(), {}
         ranges: Dict[str, Dict[Tuple[int, int], ChunkRef]] = {}
         for _, _, m in manifests:
-            for c in m.chunk_refs():
+            for c in m.chunk_refs():                # each delta's key too (FORMAT.md "The delta codec")
                 if c.pack is None:
-                    blobs[c.blob_id] = c
+                    if c.blob_id not in blobs or blobs[c.blob_id].codec == "delta":   # a full copy serves both
+                        blobs[c.blob_id] = c
                 else:
                     packs.add(c.pack)
                     pack_ends[c.pack] = max(pack_ends.get(c.pack, 0), c.offset + c.stored)
@@ -779,7 +792,7 @@ class StepCopier:
             return sent
         # packs first: they are the large objects, and the pool overlaps them with the many small blobs
         futures = [self._pool.submit(counted, self._copy_pack, ("pack", p)) for p in sorted(packs)]
-        futures += [self._pool.submit(counted, self._copy_blob, ("blob", b), c.codec, c.nbytes)
+        futures += [self._pool.submit(counted, self._copy_blob, ("blob", b), c.codec, c.nbytes, c.base)
                     for b, c in blobs.items()]
         error, new = None, {}
         if ranged:
