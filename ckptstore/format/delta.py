@@ -68,7 +68,9 @@ def encode(data, key, key_id: str, itemsize: Optional[int], level: int = 1) -> b
     n = x.size
     inner, body = RAW, x
     if n:
-        coded = planes.encode(x, itemsize) if itemsize is not None else \
+        # transform NONE: an XOR's top planes are mostly zero as they are; regrouping the exponent (what
+        # helps a float) cost 0.5-2.5% here (benchmarks/README.md "bench_codec.py")
+        coded = planes.encode(x, itemsize, transform=planes.NONE) if itemsize is not None else \
             zstandard.ZstdCompressor(level=level, write_content_size=True).compress(x)
         if len(coded) <= MIN_GAIN * n:
             inner, body = (PLANES if itemsize is not None else ZSTD), coded
