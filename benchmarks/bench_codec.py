@@ -21,7 +21,10 @@ the codec), and a bfloat16 copy of its weights. Tensor classes: fp32 weights, Ad
    state of 1., a save every ``--delta-every`` training steps (default 1), ``--delta-saves`` saves (default 8).
    Per class: raw / stored of the full chunks (planes) and of the delta against the chunk ``d`` saves back
    (d = 1: consecutive saved steps), as the writer keeps it (the smaller of delta and full), and averaged over a
-   cycle of one key and K deltas (what a run stores per save with ``deltas=K``).
+   cycle of one key and K deltas (what a run stores per save with ``deltas=K``). Then the blocking ``Store.save``
+   of the next saved step after the first (same open store, alternated, ``--repeat`` runs): raw, ``auto``,
+   ``auto`` + ``deltas=4``, with ``Packing(threshold=64 KiB)`` so that this small model's tensors are blobs (as a
+   large model's are at the default 4 MiB: only blobs become deltas).
 """
 from __future__ import annotations
 
@@ -199,8 +202,36 @@ def codec_sections(model, opt, classes, args, base):
     return out_rows, sizes
 
 
-def delta_section(model, opt, args):
-    """Section 4: delta ratios against distance, per class (see the module docstring)."""
+def delta_save_contender(first, second, label, writing, base) -> H.Contender:
+    """A blocking save of ``second`` into a store holding ``first`` (saved in the setup, not timed)."""
+    from ckptstore import Store
+
+    def setup():
+        d = C.fresh_dir(base, "codec_delta_")
+        s = Store(d, writing=writing)
+        s.save(first, 1)
+        return d, s
+
+    def run(res: H.Results, ctx) -> None:
+        with res.timed(label) as m:
+            r = ctx[1].save(second, 2)
+        m["bytes"], m["raw"] = r.bytes_written, r.bytes_total
+
+    def teardown(ctx):
+        ctx[1].close()
+        C.rmtree(ctx[0])
+    return H.Contender(label, run, records=True, rows=(label,), setup=setup, teardown=teardown)
+
+
+def delta_section(model, opt, args, base):
+    """Section 4: delta ratios against distance, per class, and the save of a next step (module docstring)."""
+    import copy
+    from ckptstore import Packing, Writing
+
+    def state():
+        bf16 = {f"p{i}": p.detach().to(torch.bfloat16) for i, p in enumerate(model.parameters())}
+        return copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict(), "bf16": bf16})
+    first, second = state(), None
     from ckptstore.format import delta, planes
     text = b"".join(open(f, "rb").read() for f in sorted(glob.glob(str(C.REPO / "ckptstore/**/*.py"),
                                                                        recursive=True)))
@@ -218,6 +249,7 @@ def delta_section(model, opt, args):
             opt.step()
             opt.zero_grad(set_to_none=True)
         snaps.append(snap())
+        second = second or state()
     sizes = {"fp32 weights": 4, "Adam m": 4, "Adam v": 4, "bf16 weights": 2}
     every = list(range(1, args.delta_saves + 1))
     dists = [d for d in (1, 2, 3, 4, 6, 8) if d <= args.delta_saves]
@@ -251,7 +283,14 @@ def delta_section(model, opt, args):
               + " ".join(f"{cycle[K]:>6.3f}" for K in dists) + f"  {raw / ce / 1e9:.2f} / {raw / cd / 1e9:.2f}")
         rows.append(dict(cls=cname, full=raw / sum(full), delta={d: dl[d] for d in dists},
                          kept={d: kept[d] for d in dists}, cycle=cycle, compress=raw / ce, decompress=raw / cd))
-    return rows
+    print(f"\n   blocking save of the next saved step (Packing(threshold=64 KiB))")
+    blobs = Packing(threshold=64 << 10)
+    res = H.compare([delta_save_contender(first, second, label, w, base) for label, w in (
+        ("next save, raw", Writing(packing=blobs)), ("next save, auto", Writing(codec="auto", packing=blobs)),
+        ("next save, auto deltas=4", Writing(codec="auto", deltas=4, packing=blobs)))], args.repeat)
+    print(res.table(ratios={"x raw": lambda r: "next save, raw"}, fmt="{:.3f}",
+                    columns=[("raw/written", lambda r: f"{r.median('raw') / r.median('bytes'):.3f}")]))
+    return rows, res.to_json({"x raw": lambda r: "next save, raw"})
 
 
 def main() -> int:
@@ -271,7 +310,8 @@ def main() -> int:
     classes = tensor_classes(model, opt)
     out_rows, sizes = [], {}
     if args.delta_only:
-        H.write_json(args.json, args, deltas=delta_section(model, opt, args))
+        rows, saves = delta_section(model, opt, args, base)
+        H.write_json(args.json, args, deltas=rows, delta_saves=saves)
         return 0
     if not args.save_only:
         out_rows, sizes = codec_sections(model, opt, classes, args, base)
@@ -281,9 +321,9 @@ def main() -> int:
     total = sum(C.nbytes(t) for t in C.state_tensors(model, opt)) + sum(C.nbytes(t) for t in classes["bf16 weights"])
     print(res.table(ratios={"x raw": lambda r: "save, raw"}, fmt="{:.3f}",
                     columns=[("written/raw", lambda r: f"{r.median('bytes') / total:.3f}")]))
-    deltas = delta_section(model, opt, args) if not args.save_only else []
+    deltas, saves = delta_section(model, opt, args, base) if not args.save_only else ([], [])
     H.write_json(args.json, args, codecs=out_rows, disk=sizes, rows=res.to_json({"x raw": lambda r: "save, raw"}),
-                 deltas=deltas)
+                 deltas=deltas, delta_saves=saves)
     return 0
 
 

@@ -51,9 +51,9 @@ class Writing:
     in a row; then in full again (the next key). Chains have depth 1 (a key is never a delta). Opt-in: a delta
     costs one read of its key (the chunk's raw length) at save, and a read of the key beside the delta at load;
     gc keeps a key while a delta needs it. Measured here (issue 30, saved every training step):
-    1.56x fp32 weights, 1.44x Adam v, 3.4x bf16 weights between consecutive saves (Adam m: stored in full, a
-    delta does not pay); averaged over a cycle of one key and ``deltas=4`` deltas 1.40x / 1.36x / 2.35x. FORMAT.md
-    "The delta codec".
+    1.56x fp32 weights, 1.46x Adam v, 3.5x bf16 weights between consecutive saves (Adam m: 1.24x, about what
+    ``"auto"`` gives alone); averaged over a cycle of one key and ``deltas=4`` deltas 1.41x / 1.38x / 2.39x
+    (benchmarks/README.md "bench_codec.py"; FORMAT.md "The delta codec").
     ``track_versions``: opt-in (default ``False``: every tensor is hashed at every save, and content addressing
     alone skips writing unchanged bytes). ``True`` skips copying and hashing a tensor whose storage, autograd
     version counter and optimizer-step count are unchanged since the last save (frozen layers in fine-tuning).

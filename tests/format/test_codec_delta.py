@@ -220,18 +220,39 @@ def test_delta_frames_refuse_the_wrong_key_length_and_damage():
             delta.decode_into(frame[:-3], key, kid, memoryview(out))
 
 
+def test_a_damaged_delta_is_quarantined_and_resume_falls_back(tmp_path):
+    root = tmp_path / "s"
+    sts = states(2)
+    save_all(root, sts)
+    with Store(root) as s:
+        ref = refs(s, 2)[1]
+    path = blob_file(root, ref)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x40                                          # in the coded XOR, past the header
+    path.write_bytes(bytes(data))
+    with Store(root) as s:
+        with pytest.raises(CorruptCheckpointError, match="delta frame") as ei:
+            s.load(2)
+        assert ei.value.step == 2 and ei.value.key == "w"
+        out = {k: None for k in sts[0]}
+        assert s.resume(out) == 1 and bits_equal(out, sts[0])
+    assert not path.exists() and (root / "quarantine" / path.name).exists()      # the key itself stays
+    assert blob_file(root, ref.base).exists()
+
+
 @pytest.mark.remote
 def test_deltas_upload_and_resume_from_s3_on_an_empty_dir(tmp_path, s3_bucket_url):
-    """Only the newest step is kept locally and remotely: its keys go up with it, and a fresh directory resumes
-    from the remote bit for bit (the keys pulled with the deltas)."""
+    """Only the newest step is kept locally and remotely: its keys go up with it (and survive the remote's
+    retention), and a fresh directory resumes from the remote bit for bit (the keys pulled with the deltas)."""
     opts = dict(storage_options=s3_bucket_url.storage_options)
     sts = states(K + 1)
-    with Store(tmp_path / "run", remote=Remote(s3_bucket_url.url, keep_local=0), writing=WRITING,
+    with Store(tmp_path / "run", remote=s3_bucket_url.url, writing=WRITING,
                keep=Retention(last=1), **opts) as s:
         for step, st in enumerate(sts, 1):
             s.save(st, step)
         s.wait_for_uploads()
     with Store(tmp_path / "pulled", remote=Remote(s3_bucket_url.url, upload=False), **opts) as s:
+        assert s.step_tiers() == {K + 1: ["remote"]}                  # the keys' step 1 is gone from the remote
         out = {k: None for k in sts[-1]}
         assert s.resume(out) == K + 1 and s.resumed_from["tier"] == "remote"
         assert bits_equal(out, sts[-1])
