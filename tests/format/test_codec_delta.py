@@ -7,6 +7,7 @@ import shutil
 import msgpack
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from ckptstore import CorruptCheckpointError, IncompatibleCheckpointError, Packing, Remote, Retention, Store, Writing
 from ckptstore.format import delta, manifest as mf
@@ -238,6 +239,19 @@ def test_a_damaged_delta_is_quarantined_and_resume_falls_back(tmp_path):
         assert s.resume(out) == 1 and bits_equal(out, sts[0])
     assert not path.exists() and (root / "quarantine" / path.name).exists()      # the key itself stays
     assert blob_file(root, ref.base).exists()
+
+
+@settings(max_examples=60, deadline=None)
+@given(pair=st.integers(0, 3000).flatmap(lambda n: st.tuples(st.binary(min_size=n, max_size=n),
+                                                             st.binary(min_size=n, max_size=n))),
+       itemsize=st.sampled_from([1, 2, 4, 8, None]))
+def test_delta_round_trip_any_bytes(pair, itemsize):
+    data, key = pair
+    frame = delta.encode(data, key, "ab" * 32, itemsize)
+    assert delta.parse_header(frame)[1:] == ("ab" * 32, len(data))
+    out = bytearray(len(data))
+    delta.decode_into(frame, key, "ab" * 32, memoryview(out))
+    assert bytes(out) == data
 
 
 @pytest.mark.remote
