@@ -272,3 +272,27 @@ def test_deltas_upload_and_resume_from_s3_on_an_empty_dir(tmp_path, s3_bucket_ur
         assert bits_equal(out, sts[-1])
         assert {r.codec for r in refs(s, K + 1)} == {"delta"}
         assert s.verify() == {K + 1: None}
+
+
+@pytest.mark.remote
+def test_a_chunk_stored_in_full_after_its_delta_was_uploaded_reaches_the_remote(tmp_path, s3_bucket_url):
+    """A chunk uploaded as a delta, then saved in full (its key gone locally after a restart): the remote gets the
+    full copy too; a delta on the remote is no copy of the chunk for a step that names it in full."""
+    opts = dict(storage_options=s3_bucket_url.storage_options)
+    sts = states(2)
+    run = tmp_path / "run"
+    with Store(run, remote=s3_bucket_url.url, writing=WRITING, **opts) as s:
+        s.save(sts[0], 1)
+        s.save(sts[1], 2)
+        s.wait_for_uploads()
+        assert {r.codec for r in refs(s, 2)} == {"delta"}
+        key = refs(s, 2)[0].base
+    blob_file(run, key).unlink()                                 # step 2's key, gone from the local tier
+    with Store(run, remote=s3_bucket_url.url, writing=WRITING, **opts) as s:
+        s.save(sts[1], 3)                                        # unchanged: stored in full, as it cannot be a delta
+        s.wait_for_uploads()
+        assert "delta" not in {r.codec for r in refs(s, 3) if r.blob_id == refs(s, 2)[0].blob_id}
+    with Store(tmp_path / "pulled", remote=Remote(s3_bucket_url.url, upload=False), **opts) as s:
+        out = {k: None for k in sts[1]}
+        assert s.resume(out) == 3 and bits_equal(out, sts[1])
+        assert s.verify() == {3: None}
