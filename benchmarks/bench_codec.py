@@ -17,6 +17,14 @@ the codec), and a bfloat16 copy of its weights. Tensor classes: fp32 weights, Ad
    ``FileSystemWriter``) and DCP with its ``ZStandard`` stream extension where torch has it.
 3. A blocking ``Store.save`` of the fp32 state + bf16 weights with ``codec="auto"`` against ``codec="raw"`` (and
    zstd-1), fresh store each run, contenders alternated (benchmarks/harness.py); ``x raw`` is the ratio.
+4. The delta codec (``Writing(codec="auto", deltas=K)``, ckptstore/format/delta.py): training goes on from the
+   state of 1., a save every ``--delta-every`` training steps (default 1), ``--delta-saves`` saves (default 8).
+   Per class: raw / stored of the full chunks (planes) and of the delta against the chunk ``d`` saves back
+   (d = 1: consecutive saved steps), as the writer keeps it (the smaller of delta and full), and averaged over a
+   cycle of one key and K deltas (what a run stores per save with ``deltas=K``). Then the blocking ``Store.save``
+   of the next saved step after the first (same open store, alternated, ``--repeat`` runs): raw, ``auto``,
+   ``auto`` + ``deltas=4``, with ``Packing(threshold=64 KiB)`` so that this small model's tensors are blobs (as a
+   large model's are at the default 4 MiB: only blobs become deltas).
 """
 from __future__ import annotations
 
@@ -194,10 +202,104 @@ def codec_sections(model, opt, classes, args, base):
     return out_rows, sizes
 
 
+def delta_save_contender(first, second, label, writing, base) -> H.Contender:
+    """A blocking save of ``second`` into a store holding ``first`` (saved in the setup, not timed)."""
+    from ckptstore import Store
+
+    def setup():
+        d = C.fresh_dir(base, "codec_delta_")
+        s = Store(d, writing=writing)
+        s.save(first, 1)
+        return d, s
+
+    def run(res: H.Results, ctx) -> None:
+        with res.timed(label) as m:
+            r = ctx[1].save(second, 2)
+        m["bytes"], m["raw"] = r.bytes_written, r.bytes_total
+
+    def teardown(ctx):
+        ctx[1].close()
+        C.rmtree(ctx[0])
+    return H.Contender(label, run, records=True, rows=(label,), setup=setup, teardown=teardown)
+
+
+def delta_section(model, opt, args, base):
+    """Section 4: delta ratios against distance, per class, and the save of a next step (module docstring)."""
+    import copy
+    from ckptstore import Packing, Writing
+
+    def state():
+        bf16 = {f"p{i}": p.detach().to(torch.bfloat16) for i, p in enumerate(model.parameters())}
+        return copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict(), "bf16": bf16})
+    first, second = state(), None
+    from ckptstore.format import delta, planes
+    text = b"".join(open(f, "rb").read() for f in sorted(glob.glob(str(C.REPO / "ckptstore/**/*.py"),
+                                                                       recursive=True)))
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    g = torch.Generator().manual_seed(args.seed + 2)
+
+    def snap():
+        return {k: [C.as_bytes(t).numpy().tobytes() for t in v] for k, v in tensor_classes(model, opt).items()}
+    snaps = [snap()]
+    for _ in range(args.delta_saves):
+        for _ in range(args.delta_every):
+            ix = torch.randint(0, len(data) - 65, (8,), generator=g).tolist()
+            x = torch.stack([data[i:i + 65] for i in ix])
+            F.cross_entropy(model(x[:, :-1]).reshape(-1, 256), x[:, 1:].reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        snaps.append(snap())
+        second = second or state()
+    sizes = {"fp32 weights": 4, "Adam m": 4, "Adam v": 4, "bf16 weights": 2}
+    every = list(range(1, args.delta_saves + 1))
+    dists = [d for d in (1, 2, 3, 4, 6, 8) if d <= args.delta_saves]
+    print(f"\n4. deltas: a save every {args.delta_every} training step(s); raw / stored; d = saves between the "
+          "chunk and its key; 'kept' = the smaller of delta and full per tensor; 'K=k' = over one key + k deltas")
+    print(f"{'class':<14} {'full':>6} " + " ".join(f"{'d=' + str(d):>6}" for d in dists) + "  "
+          + " ".join(f"{'kept d=' + str(d):>9}" for d in dists) + "  " + " ".join(f"{'K=' + str(k):>6}" for k in dists)
+          + "  comp/dec GB/s (d=1, CPU, one core)")
+    rows = []
+    for cname, k in sizes.items():
+        raw = sum(len(b) for b in snaps[0][cname])
+        full = [len(planes.encode(b, k)) for b in snaps[0][cname]]
+        dl, kept = {}, {}
+        for d in every:
+            frames = [len(delta.encode(b, key, "00" * 32, k)) for b, key in zip(snaps[d][cname], snaps[0][cname])]
+            dl[d] = raw / sum(frames)
+            kept[d] = raw / sum(min(f, u) for f, u in zip(frames, full))
+        cycle = {K: (K + 1) * raw / (sum(full) + sum(raw / kept[d] for d in range(1, K + 1))) for K in dists}
+        pairs = list(zip(snaps[1][cname], snaps[0][cname]))
+        ce, coded = cpu(lambda: [delta.encode(b, key, "00" * 32, k) for b, key in pairs], args.repeat)
+
+        def dec():
+            outs = [bytearray(len(b)) for b, _ in pairs]
+            for f, (b, key), o in zip(coded, pairs, outs):
+                delta.decode_into(f, key, "00" * 32, memoryview(o))
+            return outs
+        cd, back = cpu(dec, args.repeat)
+        assert all(bytes(o) == b for o, (b, _) in zip(back, pairs)), "delta round trip"
+        print(f"{cname:<14} {raw / sum(full):>6.3f} " + " ".join(f"{dl[d]:>6.3f}" for d in dists) + "  "
+              + " ".join(f"{kept[d]:>9.3f}" for d in dists) + "  "
+              + " ".join(f"{cycle[K]:>6.3f}" for K in dists) + f"  {raw / ce / 1e9:.2f} / {raw / cd / 1e9:.2f}")
+        rows.append(dict(cls=cname, full=raw / sum(full), delta={d: dl[d] for d in dists},
+                         kept={d: kept[d] for d in dists}, cycle=cycle, compress=raw / ce, decompress=raw / cd))
+    print(f"\n   blocking save of the next saved step (Packing(threshold=64 KiB))")
+    blobs = Packing(threshold=64 << 10)
+    res = H.compare([delta_save_contender(first, second, label, w, base) for label, w in (
+        ("next save, raw", Writing(packing=blobs)), ("next save, auto", Writing(codec="auto", packing=blobs)),
+        ("next save, auto deltas=4", Writing(codec="auto", deltas=4, packing=blobs)))], args.repeat)
+    print(res.table(ratios={"x raw": lambda r: "next save, raw"}, fmt="{:.3f}",
+                    columns=[("raw/written", lambda r: f"{r.median('raw') / r.median('bytes'):.3f}")]))
+    return rows, res.to_json({"x raw": lambda r: "next save, raw"})
+
+
 def main() -> int:
     ap = H.parser(__doc__, repeat=3)
     ap.add_argument("--steps", type=int, default=300, help="AdamW steps before the state is taken")
     ap.add_argument("--save-only", action="store_true", help="only section 3 (the blocking saves)")
+    ap.add_argument("--delta-only", action="store_true", help="only section 4 (the delta codec)")
+    ap.add_argument("--delta-every", type=int, default=1, help="training steps between two saves (section 4)")
+    ap.add_argument("--delta-saves", type=int, default=8, help="saves after the first (section 4)")
     args = ap.parse_args()
     base = H.scratch_dir(args.dir)
     print(H.banner(steps=args.steps, dir=base))
@@ -207,6 +309,10 @@ def main() -> int:
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters")
     classes = tensor_classes(model, opt)
     out_rows, sizes = [], {}
+    if args.delta_only:
+        rows, saves = delta_section(model, opt, args, base)
+        H.write_json(args.json, args, deltas=rows, delta_saves=saves)
+        return 0
     if not args.save_only:
         out_rows, sizes = codec_sections(model, opt, classes, args, base)
     print("\n3. blocking Store.save, fp32 state + bf16 weights")
@@ -215,7 +321,9 @@ def main() -> int:
     total = sum(C.nbytes(t) for t in C.state_tensors(model, opt)) + sum(C.nbytes(t) for t in classes["bf16 weights"])
     print(res.table(ratios={"x raw": lambda r: "save, raw"}, fmt="{:.3f}",
                     columns=[("written/raw", lambda r: f"{r.median('bytes') / total:.3f}")]))
-    H.write_json(args.json, args, codecs=out_rows, disk=sizes, rows=res.to_json({"x raw": lambda r: "save, raw"}))
+    deltas, saves = delta_section(model, opt, args, base) if not args.save_only else ([], [])
+    H.write_json(args.json, args, codecs=out_rows, disk=sizes, rows=res.to_json({"x raw": lambda r: "save, raw"}),
+                 deltas=deltas, delta_saves=saves)
     return 0
 
 

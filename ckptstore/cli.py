@@ -377,7 +377,7 @@ def show_cmd(root, step, step_opt, rank, values, as_json, metric, mode, storage_
             if list(e.shard.mesh) not in meshes:
                 meshes.append(list(e.shard.mesh))
         ranks.append({"rank": r, "bytes": m.bytes_total, "tensors": len(arrays), "sharded": len(sharded),
-                      "chunks": len({c.blob_id for c in m.chunk_refs()})})
+                      "chunks": len({c.blob_id for _, e in arrays for c in e.chunks})})    # not delta keys
     keys = []
     for node in manifest.nodes:
         if not node.path or node.kind in ("dict", "list", "tuple"):

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from ckptstore import Store, Remote, Retention
+from ckptstore import Packing, Store, Remote, Retention, Writing
 from ckptstore.util.errors import CheckpointError
 from rank import close_and_report, finish, join, result
 
@@ -185,6 +185,7 @@ def main():
     ap.add_argument("--no-upload-node", type=int, default=-1, help="ranks 2n, 2n+1 do not upload")
     ap.add_argument("--upload-deadline", type=float, default=60.0)
     ap.add_argument("--keep-last", type=int, default=None)
+    ap.add_argument("--deltas", type=int, default=0, help="Writing(codec='auto', deltas=N), every chunk a blob")
     ap.add_argument("--replicated", default="", help="comma-separated top-level keys saved by rank 0 only")
     ap.add_argument("--replicated-ranks", default="", help="only these ranks pass --replicated (a mistake)")
     ap.add_argument("--rng", type=int, default=0, help="save torch's CPU generator per rank (equal on every rank)")
@@ -203,7 +204,9 @@ def main():
     from ckptstore.util.retry import RetryPolicy
     remote = Remote(args.remote, retry=RetryPolicy(deadline=args.upload_deadline, op_timeout=30),
                     upload=rank // 2 != args.no_upload_node) if args.remote else None
+    writing = Writing(codec="auto", deltas=args.deltas, packing=Packing(threshold=0)) if args.deltas else None
     store = Store(store_root, collective_timeout=args.timeout, remote=remote, storage_options=json.loads(args.so),
+                  writing=writing,
                   keep=Retention(last=args.keep_last) if args.keep_last is not None else None)
     state = {"app": app, "step": 0}
     if progress is not None:

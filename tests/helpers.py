@@ -100,9 +100,10 @@ def flip_byte(path: Path, offset: int = 0) -> None:
     path.write_bytes(bytes(data))
 
 
-def rewrite_frame(path: Path, mutate) -> None:
+def rewrite_frame(path: Path, mutate, keep_format: bool = False) -> None:
     """Decode a frame (manifest, commit marker, shard map: compressed or not), let ``mutate(body_dict)`` change
-    it, re-encode it with a valid checksum (a compressed body stays compressed, in the frame's format)."""
+    it, re-encode it with a valid checksum (a compressed body stays compressed, in the frame's format; an
+    uncompressed one is written as format 2 unless ``keep_format``)."""
     from ckptstore.format.manifest import FORMAT_VERSION, frame
     outer = msgpack.unpackb(path.read_bytes(), raw=False)
     packed = outer["body"]
@@ -114,15 +115,15 @@ def rewrite_frame(path: Path, mutate) -> None:
     if "zstd" in outer:
         path.write_bytes(frame(outer["kind"], body, outer["format"], compress=True))
     else:
-        path.write_bytes(frame(outer["kind"], body, FORMAT_VERSION))
+        path.write_bytes(frame(outer["kind"], body, outer["format"] if keep_format else FORMAT_VERSION))
 
 
-def rewrite_manifest(root, step, mutate, rank: int = 0) -> None:
+def rewrite_manifest(root, step, mutate, rank: int = 0, keep_format: bool = False) -> None:
     """Change a step's manifest with ``mutate(body)`` and re-record its digest in the commit marker, so that
     only the schema checks (not the digest check) stand between the damage and the reader."""
     from ckptstore.format.blobs import digest_bytes
     mf = step_dir(root, step) / f"manifest-rank{rank:05d}.msgpack"
-    rewrite_frame(mf, mutate)
+    rewrite_frame(mf, mutate, keep_format)
     data = mf.read_bytes()
 
     def fix_digest(body):

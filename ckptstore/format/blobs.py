@@ -24,13 +24,14 @@ import zstandard
 
 from ..util.errors import CorruptCheckpointError, DamagedRead, TransferError
 from .layout import CODEC_SUFFIX, QUARANTINE, blob_path, pack_path
-from . import planes
+from . import delta, planes
 from ..util.retry import RetryPolicy
 
 log = logging.getLogger("ckptstore")
 T = TypeVar("T")
 
-CODECS = ("raw", "zstd", "planes")         # how a chunk's bytes may be stored (manifests name one per chunk)
+CODECS = ("raw", "zstd", "planes", "delta")    # how a chunk's bytes may be stored (manifests name one per chunk)
+FULL_CODECS = ("raw", "zstd", "planes")       # those that need no other blob to decode (a delta needs its key)
 WRITE_CODECS = ("raw", "zstd", "auto")     # what ``Writing.codec`` may ask for (see :func:`encode_chunk`)
 _MT_HASH_BYTES = 16 << 20           # multi-threaded hashing pays only for large buffers
 _MIN_ZSTD_GAIN = 0.97               # keep a zstd frame only if it is at most 97% of the raw size
@@ -274,15 +275,16 @@ class BlobStore:
         self.quarantine = quarantine              # False for stores this process only reads (load_path)
         self._known: Dict[str, str] = {}          # blob id -> codec, of blobs known to exist
         self._trusted: Set[str] = set()           # blobs this process wrote, or found on disk and hashed
+        self._deltas: Dict[str, str] = {}         # delta blobs this process wrote or decoded and hashed -> key id
         self._lock = threading.Lock()
         self._dirs: Set[str] = set()              # object directories written since the last sync()
 
     def locate(self, blob_id: str) -> Optional[str]:
-        """The codec under which ``blob_id`` is stored, or ``None`` if it is not in the store."""
+        """The codec under which ``blob_id`` is stored in full (not as a delta), or ``None`` if it is not."""
         codec = self._known.get(blob_id)
         if codec is not None:
             return codec
-        for codec in CODECS:
+        for codec in FULL_CODECS:           # a delta is no copy of the chunk on its own (it needs its key)
             if self.storage.exists(blob_path(blob_id, codec)):
                 self.remember(blob_id, codec)
                 return codec
@@ -296,12 +298,14 @@ class BlobStore:
         with self._lock:
             self._known.pop(blob_id, None)
             self._trusted.discard(blob_id)
+            self._deltas.pop(blob_id, None)
 
     def forget_all(self) -> None:
         """Forget which blobs exist (another process's gc may have removed some)."""
         with self._lock:
             self._known.clear()
             self._trusted.clear()
+            self._deltas.clear()
 
     def _reusable(self, blob_id: str, nbytes: int) -> Optional[str]:
         """The codec of a present blob that dedup by name may reuse, else ``None`` (a damaged one is
@@ -356,7 +360,49 @@ class BlobStore:
         present); :meth:`sync` makes their directory entries durable."""
         if self._reusable(blob_id, nbytes) is not None:
             return 0
+        if codec == "delta":
+            return self.write_delta(blob_id, read())
         return self._write(blob_id, codec, read())
+
+    def write_delta(self, blob_id: str, frame, check: Optional[Callable[[bytes], bool]] = None) -> int:
+        """Write a delta blob (``frame``: :mod:`ckptstore.format.delta`) create-only. A copy already there is kept
+        when it names the same key and, given ``check(stored bytes)``, passes it; one against another key is
+        kept too (a committed step may name it) and ``-1`` returned: the caller stores the chunk in full
+        instead. A damaged copy against the same key is replaced atomically. Returns bytes written (0: a whole
+        copy was there). Deltas are never remembered as copies of the chunk (:meth:`locate`)."""
+        path = blob_path(blob_id, "delta")
+        wrote = len(frame) if self.storage.write_new(path, frame) else 0
+        if not wrote:
+            try:
+                there = self.storage.read_bytes(path)
+                same = delta.parse_header(there)[1] == delta.parse_header(frame)[1]
+            except (OSError, ValueError):
+                there, same = None, True                   # unreadable or damaged: replaced below
+            if not same:
+                return -1
+            if there is None or (check is not None and not check(there)):
+                self.storage.write_atomic(path, frame)
+                wrote = len(frame)
+        with self._lock:
+            self._deltas[blob_id] = delta.parse_header(frame)[1]
+            self._dirs.add(path.rsplit("/", 1)[0])
+        return wrote
+
+    def delta_trusted(self, ref) -> bool:
+        """Whether the delta blob of ``ref`` (a delta :class:`~ckptstore.format.manifest.ChunkRef`) may be named
+        again unwritten: its key is here in full, and the delta was written or decoded and hashed by this process
+        (once per process otherwise: read, decoded against its key, hashed; FORMAT.md "Write order")."""
+        with self._lock:
+            known = self._deltas.get(ref.blob_id) == ref.base.blob_id
+        if self.locate(ref.base.blob_id) is None:
+            return False
+        if known:
+            return True
+        if self.judge(ref.blob_id, "delta", base=ref.base) is not True:
+            return False
+        with self._lock:
+            self._deltas[ref.blob_id] = ref.base.blob_id
+        return True
 
     def put_pack(self, pack_id: str, read) -> int:
         """Store a pack whose bytes (``read()``) come from another root of this job, unless a whole copy is
@@ -378,12 +424,19 @@ class BlobStore:
         return len(payload)
 
     @staticmethod
-    def intact(payload, blob_id: str, codec: str, nbytes: int, *, threads: bool = False) -> bool:
+    def intact(payload, blob_id: str, codec: str, nbytes: int, *, threads: bool = False, key=None,
+               key_id: Optional[str] = None) -> bool:
         """Whether a blob's stored bytes ``payload`` decode (``codec``) to ``nbytes`` raw bytes hashing to
-        ``blob_id`` (decompression bounded by ``nbytes``)."""
+        ``blob_id`` (decompression bounded by ``nbytes``). A delta decodes against ``key`` (its key's raw bytes,
+        already verified) named ``key_id``."""
         try:
             if codec == "raw":
                 raw = payload
+            elif codec == "delta":
+                if key is None:
+                    return False
+                raw = bytearray(nbytes)
+                delta.decode_into(payload, key, key_id, memoryview(raw))
             elif codec == "planes":
                 raw = bytearray(nbytes)
                 planes.decode_into(payload, memoryview(raw))
@@ -410,7 +463,7 @@ class BlobStore:
         return codec, size
 
     def read_into(self, blob_id: str, codec: str, out: memoryview, *, step=None, key=None,
-                  quarantine: bool = True, size: Optional[int] = None) -> None:
+                  quarantine: bool = True, size: Optional[int] = None, base=None) -> None:
         """Fill ``out`` (exactly the blob's raw length) with the blob's bytes and verify their digest.
 
         Raises ``CorruptCheckpointError`` (naming step, key and blob) when the blob is missing, has the wrong
@@ -421,21 +474,29 @@ class BlobStore:
         deduplicating against it): a manifest that claims a wrong length or codec for an intact blob is the
         manifest's fault, and the blob stays for the steps that use it rightly. ``quarantine=False``: never.
         ``size``: the stored size if the caller has just looked it up (see :meth:`stat`).
+        ``base``: a delta's key (its ``ChunkRef.base``), read and verified first (one more read of the key's raw
+        length; a missing or damaged key fails as that blob); a full copy of the chunk, when there is one, is
+        read instead of the delta.
         """
         nbytes = len(out)
         if size is None:
             codec, size = self.stat(blob_id, codec)
         self.check_claim(blob_id, codec, size, nbytes, step=step, key=key, quarantine=quarantine)
         path = blob_path(blob_id, codec)
+        keybuf = self._read_key(blob_id, base, nbytes, step, key, quarantine) if codec == "delta" else None
 
         def once() -> None:
-            with self._read_errors(blob_id, codec, nbytes, quarantine, step, key):
+            with self._read_errors(blob_id, codec, nbytes, quarantine, step, key, base):
                 if codec == "raw":
                     got = self.storage.read_into(path, out)
                 else:
                     payload = self.storage.read_bytes(path)
                     try:
-                        got = decode_into(codec, payload, out)
+                        if keybuf is not None:
+                            delta.decode_into(payload, keybuf, base.blob_id, out)
+                            got = nbytes
+                        else:
+                            got = decode_into(codec, payload, out)
                     except (ValueError, zstandard.ZstdError) as e:
                         raise DamagedRead(f"blob unreadable ({e})", got=(len(payload), digest_bytes(payload)),
                                           step=step, key=key, blob=blob_id) from None
@@ -447,11 +508,21 @@ class BlobStore:
                 raise DamagedRead("blob content does not match its hash", got=(got, digest), step=step, key=key,
                                   blob=blob_id)
         read_verified(self.storage, path, once, damaged=lambda e: self._damaged(
-            e.reason, blob_id, codec, nbytes, quarantine, step, key))
-        self.remember(blob_id, codec)
+            e.reason, blob_id, codec, nbytes, quarantine, step, key, base))
+        if codec != "delta":
+            self.remember(blob_id, codec)
+
+    def _read_key(self, blob_id: str, base, nbytes: int, step, key, quarantine: bool) -> bytearray:
+        """The raw bytes of a delta's key, verified (:meth:`read_into`). Raises ``CorruptCheckpointError``."""
+        if base is None or base.codec == "delta" or base.nbytes != nbytes:
+            raise CorruptCheckpointError("a delta chunk needs a full blob of its length as its key", step=step,
+                                         key=key, blob=blob_id)
+        buf = bytearray(nbytes)
+        self.read_into(base.blob_id, base.codec, memoryview(buf), step=step, key=key, quarantine=quarantine)
+        return buf
 
     @contextlib.contextmanager
-    def _read_errors(self, blob_id, codec, nbytes, quarantine, step, key):
+    def _read_errors(self, blob_id, codec, nbytes, quarantine, step, key, base=None):
         """Reading a blob: a missing or unreadable file is a CorruptCheckpointError naming it; undecodable
         bytes are damage (see :meth:`_damaged`)."""
         try:
@@ -462,12 +533,19 @@ class BlobStore:
             raise CorruptCheckpointError(f"blob unreadable ({e.strerror or e})", step=step, key=key,
                                          blob=blob_id) from None
         except (ValueError, zstandard.ZstdError) as e:
-            raise self._damaged(f"blob unreadable ({e})", blob_id, codec, nbytes, quarantine, step, key) from None
+            raise self._damaged(f"blob unreadable ({e})", blob_id, codec, nbytes, quarantine, step, key,
+                                base) from None
 
-    def verify(self, blob_id: str, codec: str, nbytes: int, *, step=None, key=None, quarantine: bool = False) -> None:
+    def verify(self, blob_id: str, codec: str, nbytes: int, *, step=None, key=None, quarantine: bool = False,
+               base=None) -> None:
         """Read and hash one blob in bounded memory, without keeping it (``ckptstore verify``); raises like
-        :meth:`read_into`. Quarantines nothing unless asked: verifying is a read-only command."""
+        :meth:`read_into`. Quarantines nothing unless asked: verifying is a read-only command. A delta
+        (``base``: its key) is decoded against its key whole: memory of twice its raw length and its frame."""
         codec, size = self.stat(blob_id, codec)
+        if codec == "delta":
+            self.read_into(blob_id, codec, memoryview(bytearray(nbytes)), step=step, key=key, quarantine=quarantine,
+                           size=size, base=base)
+            return
         self.check_claim(blob_id, codec, size, nbytes, step=step, key=key, quarantine=quarantine)
         with self._read_errors(blob_id, codec, nbytes, quarantine, step, key):
             ok, got = stream_check(self.storage, blob_path(blob_id, codec), codec, nbytes=nbytes, blob_id=blob_id,
@@ -491,11 +569,11 @@ class BlobStore:
             raise self._damaged(f"{size} bytes of zstd cannot hold the {nbytes} bytes expected", blob_id, codec,
                                 nbytes, quarantine, step, key)
 
-    def _damaged(self, msg: str, blob_id: str, codec: str, nbytes: int, quarantine: bool, step, key):
+    def _damaged(self, msg: str, blob_id: str, codec: str, nbytes: int, quarantine: bool, step, key, base=None):
         """The error for a blob that did not read back as claimed. The blob is re-read from scratch and
         hashed on its own (bounded memory, whatever the manifest claimed): only when its bytes do not hash to
         its id is it quarantined; when they do, the claim (length, codec) was wrong, and it says so."""
-        verdict = self.judge(blob_id, codec)
+        verdict = self.judge(blob_id, codec, base=base)
         if verdict is True:
             return CorruptCheckpointError(f"{msg}; the blob itself is intact: the manifest's claim about it is "
                                           "wrong", step=step, key=key, blob=blob_id)
@@ -505,20 +583,37 @@ class BlobStore:
             msg += " (moved to quarantine/)"
         return CorruptCheckpointError(msg, step=step, key=key, blob=blob_id)
 
-    def judge(self, blob_id: str, codec: str) -> Optional[bool]:
+    def judge(self, blob_id: str, codec: str, base=None) -> Optional[bool]:
         """Whether the stored blob hashes to its id: True, False, or None when that cannot be told (missing,
-        not a regular file, an I/O error, or more than ``RECHECK_LIMIT`` raw bytes)."""
+        not a regular file, an I/O error, or more than ``RECHECK_LIMIT`` raw bytes). A delta is judged against
+        ``base`` (its key): None without one, when the key cannot be read whole, or when the frame names
+        another key (it may be whole against that one)."""
         try:
             path = blob_path(blob_id, codec)
             size = self.storage.size(path)
             if size is None:
                 return None
+            if codec == "delta":
+                return self._judge_delta(path, blob_id, base)
             ok, _ = stream_check(self.storage, path, codec, nbytes=None, blob_id=blob_id, stored=size)
             return ok
         except (ValueError, zstandard.ZstdError):
             return False                                   # an undecodable frame is damaged, whatever claimed
         except (OSError, OverflowError):
             return None
+
+    def _judge_delta(self, path: str, blob_id: str, base) -> Optional[bool]:
+        if base is None or base.nbytes >= RECHECK_LIMIT:
+            return None
+        frame = self.storage.read_bytes(path)
+        if delta.parse_header(frame)[1:] != (base.blob_id, base.nbytes):
+            return None if delta.parse_header(frame)[1] != base.blob_id else False
+        keybuf = bytearray(base.nbytes)
+        try:
+            self.read_into(base.blob_id, base.codec, memoryview(keybuf), quarantine=False)
+        except CorruptCheckpointError:
+            return None
+        return self.intact(frame, blob_id, "delta", base.nbytes, key=keybuf, key_id=base.blob_id)
 
     def _quarantine(self, blob_id: str, codec: str) -> None:
         self.forget(blob_id)

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Dict, Iterable, Optional, Set
+from typing import Dict, Iterable, Optional, Set, Tuple
 
 from .blobs import pack_intact
 from ..util.errors import CheckpointError
 from .layout import pack_path
-from .manifest import ChunkRef
+from .manifest import ChunkRef, Manifest
 
 log = logging.getLogger("ckptstore")
 
@@ -38,12 +38,29 @@ class ChunkIndex:
         self._refs: Dict[str, ChunkRef] = {}
         self._packs_ok: Set[str] = set()          # packs checked to exist at the start of the current save
         self._bad: Set[str] = set()               # chunks found damaged on read: never reused, even after reload
+        #: (key path, dtype, chunk index) -> the blob chunk of the parent step (the newest committed one this
+        #: writer knows): what a delta (``Writing.deltas``) is made against
+        self._parents: Dict[Tuple[tuple, str, int], ChunkRef] = {}
         self._loaded = False
         self._lock = threading.Lock()
 
     def get(self, chunk_id: str) -> Optional[ChunkRef]:
         with self._lock:
             return self._refs.get(chunk_id)
+
+    def parent(self, path: tuple, dtype: str, index: int, nbytes: int) -> Optional[ChunkRef]:
+        """The parent step's chunk ``index`` of the tensor at ``path`` when it had ``dtype`` and is a blob of
+        ``nbytes`` raw bytes (what a delta may be made against), else ``None``."""
+        with self._lock:
+            ref = self._parents.get((path, dtype, index))
+        return ref if ref is not None and ref.nbytes == nbytes and ref.blob_id not in self._bad else None
+
+    @staticmethod
+    def _parents_of(manifest: Optional[Manifest]) -> Dict[Tuple[tuple, str, int], ChunkRef]:
+        if manifest is None:
+            return {}
+        return {(n.path, e.dtype, i): c for n, e in manifest.arrays() for i, c in enumerate(e.chunks)
+                if c.pack is None}
 
     def has(self, ref: ChunkRef) -> bool:
         """Whether ``ref``'s bytes are known to be in the store (a pack checked this save, or a blob found)."""
@@ -68,13 +85,14 @@ class ChunkIndex:
 
     def _load(self, catalog, rank: int) -> None:
         refs: Dict[str, ChunkRef] = {}
+        manifest = None
         for step in reversed(catalog.committed_steps()):
             try:
                 commit = catalog.read_commit(step)
                 if rank not in commit.manifests:
                     break
-                refs = {c.blob_id: c for c in catalog.read_manifest(commit, rank).chunk_refs()
-                        if c.blob_id not in self._bad}
+                manifest = catalog.read_manifest(commit, rank)
+                refs = {c.blob_id: c for c in manifest.chunk_refs() if c.blob_id not in self._bad}
                 break
             except CheckpointError as e:                 # a damaged step is no source of truth: try older
                 log.info("chunk index: not using step %d (%s)", step, e)
@@ -88,10 +106,14 @@ class ChunkIndex:
             refs = {k: r for k, r in refs.items() if r.pack not in bad}
         with self._lock:
             self._refs, self._loaded = refs, True
+            self._parents = self._parents_of(manifest)
 
-    def replace(self, refs: Iterable[ChunkRef]) -> None:
-        """After a commit: the index becomes the chunks of the step just committed."""
+    def replace(self, refs: Iterable[ChunkRef], manifest: Optional[Manifest] = None) -> None:
+        """After a commit: the index becomes the chunks of the step just committed (``manifest``: that step's
+        manifest of this rank, the parent of the next save's deltas)."""
+        parents = self._parents_of(manifest)
         with self._lock:
+            self._parents = parents
             new = {r.blob_id: r for r in refs if r.blob_id not in self._bad}
             self._refs = new
             self._packs_ok |= {r.pack for r in new.values() if r.pack is not None}
@@ -108,4 +130,4 @@ class ChunkIndex:
     def clear(self) -> None:
         """Forget everything (after a failed save); the next save reloads from the committed manifests."""
         with self._lock:
-            self._refs, self._packs_ok, self._loaded = {}, set(), False
+            self._refs, self._packs_ok, self._loaded, self._parents = {}, set(), False, {}

@@ -42,12 +42,12 @@ GC_EPOCH = "locks/gc-epoch"              # changes whenever a deleter removed so
 RETIRED = "locks/retired"                # locks/retired/<pack id>: a pack replaced by repack, and when
 REMOTE_DELETES = "locks/remote-deletes"  # locks/remote-deletes/<step>.json: a step to delete from the remote
 
-CODEC_SUFFIX = {"raw": "", "zstd": ".zst", "planes": ".bpl"}
+CODEC_SUFFIX = {"raw": "", "zstd": ".zst", "planes": ".bpl", "delta": ".dlt"}
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 _STEP_DIR_RE = re.compile(r"^[0-9]{12}$")
 _MANIFEST_RE = re.compile(r"^manifest-rank([0-9]{5})(?:\.g([0-9]{1,9}))?\.msgpack$")
 _PACK_RE = re.compile(r"^([0-9a-f]{64})\.pack$")
-_BLOB_RE = re.compile(r"^([0-9a-f]{64})(\.zst|\.bpl)?$")
+_BLOB_RE = re.compile(r"^([0-9a-f]{64})(\.zst|\.bpl|\.dlt)?$")
 MAX_STEP = 10**12 - 1
 
 
@@ -88,11 +88,11 @@ def parse_pack_name(name: str):
 
 def parse_blob_name(name: str):
     """``'<id>'`` -> ``(id, 'raw')``, ``'<id>.zst'`` -> ``(id, 'zstd')``, ``'<id>.bpl'`` -> ``(id, 'planes')``,
-    anything else -> ``None``."""
+    ``'<id>.dlt'`` -> ``(id, 'delta')``, anything else -> ``None``."""
     m = _BLOB_RE.match(name)
     if not m:
         return None
-    return m.group(1), {None: "raw", ".zst": "zstd", ".bpl": "planes"}[m.group(2)]
+    return m.group(1), {None: "raw", ".zst": "zstd", ".bpl": "planes", ".dlt": "delta"}[m.group(2)]
 
 
 def step_dir(step: int) -> str:

@@ -19,6 +19,12 @@ Manifest body (one per rank and step)::
             | [chunk_id, raw_nbytes, codec, pack, offset, stored]     bytes [offset, offset+stored) of a pack
                                                                       (format 2; pack = index into "packs";
                                                                       stored = bytes in the pack)
+            | [chunk_id, raw_nbytes, "delta", key, seq]              a delta blob (objects/<id>.dlt, format 5):
+                                                                      key = [key_id, raw_nbytes, codec], the
+                                                                      full blob it is the XOR against (never a
+                                                                      delta: chain depth 1); seq >= 1: deltas
+                                                                      against that key so far (FORMAT.md "The
+                                                                      delta codec")
     dtensor: the tensor payload (``shape`` = the local shard's) plus
                         "shard": {"global_shape": [int], "offset": [int], "mesh": [int], "placements": [str]}
               ndarray / npscalar: {"dtype": "<f4", "shape": [int], "chunks": [...]}
@@ -58,10 +64,13 @@ FORMAT_VERSION = 2            # written by this library; 1 and 2 are read (see F
 #: a manifest naming a chunk stored with the planes codec is written as format 4 (readers from before the codec
 #: refuse it as too new, ``IncompatibleCheckpointError``, rather than call the step corrupt); nothing else is
 PLANES_FORMAT = 4
+#: a manifest naming a delta chunk (codec ``"delta"``, issue 30) is written as format 5, for the same reason: a
+#: reader from before the delta codec would find a record it cannot read and call the step corrupt
+DELTA_FORMAT = 5
 #: a shard map is written as format 3: its body zstd-compressed (outer field "zstd": the body's raw length),
 #: 3.3x smaller (a 70B-shaped FSDP2 map 61.6 -> 18.3 KB: what a resuming rank reads, issue 29)
 SHARDS_FORMAT = 3
-READ_FORMATS = {"commit": mtable.TABLE_FORMAT, "rows": mtable.TABLE_FORMAT, "manifest": PLANES_FORMAT,
+READ_FORMATS = {"commit": mtable.TABLE_FORMAT, "rows": mtable.TABLE_FORMAT, "manifest": DELTA_FORMAT,
                 "shards": SHARDS_FORMAT}
 MAX_FRAME_BODY = 256 << 20      # the raw length a compressed frame body may claim
 MAX_CHUNK_BYTES = 1 << 40
@@ -79,10 +88,15 @@ class ChunkRef:
     """One chunk of a tensor's bytes and where they live.
 
     ``blob_id``: BLAKE3-256 hex of the chunk's raw bytes (the chunk's identity, whatever its location).
-    ``nbytes``: raw length in bytes. ``codec``: ``"raw"``, ``"zstd"`` or ``"planes"`` (how the stored bytes encode
-    it; ``"planes"``: :mod:`ckptstore.format.planes`, in manifests of format 4).
+    ``nbytes``: raw length in bytes. ``codec``: ``"raw"``, ``"zstd"``, ``"planes"`` or ``"delta"`` (how the stored
+    bytes encode it; ``"planes"``: :mod:`ckptstore.format.planes`, in manifests of format 4; ``"delta"``:
+    :mod:`ckptstore.format.delta`, format 5).
     ``pack``: ``None`` when the chunk is a blob of its own (``objects/``), else the id of the pack holding it,
     at byte ``offset`` for ``stored`` bytes (``stored == nbytes`` for raw chunks).
+    ``base``: a delta's key, the full blob (same raw length, codec not ``"delta"``, no pack) whose bytes XORed
+    with the delta's decoded bytes give the chunk; ``seq``: how many deltas against that key the chain has
+    reached with this one (1, 2, ...; the writer stores the chunk in full again after ``Writing.deltas``).
+    Both are ``None`` / 0 for every other codec.
     """
     blob_id: str
     nbytes: int
@@ -90,6 +104,8 @@ class ChunkRef:
     pack: Optional[str] = None
     offset: int = 0
     stored: int = 0
+    base: Optional["ChunkRef"] = None
+    seq: int = 0
 
     @property
     def stored_nbytes(self) -> int:
@@ -97,6 +113,8 @@ class ChunkRef:
 
     def encode(self, pack_index: Dict[str, int]) -> list:
         """The manifest form; ``pack_index`` (pack id -> position in the manifest's pack table) grows."""
+        if self.codec == "delta":
+            return [self.blob_id, self.nbytes, self.codec, self.base.encode(pack_index), self.seq]
         if self.pack is None:
             return [self.blob_id, self.nbytes, self.codec]
         return [self.blob_id, self.nbytes, self.codec, pack_index.setdefault(self.pack, len(pack_index)),
@@ -149,8 +167,10 @@ class Manifest:
         return [(n, n.payload) for n in self.nodes if n.kind in ARRAY_KINDS]
 
     def chunk_refs(self):
-        """Every chunk reference, in order (a chunk used twice appears twice)."""
-        return [c for _, e in self.arrays() for c in e.chunks]
+        """Every chunk reference, in order (a chunk used twice appears twice), each delta's key right after the
+        delta: what gc keeps, uploads, pulls and replication copy, and usage counts, so that a delta's key goes
+        wherever the delta goes (FORMAT.md "The delta codec")."""
+        return [r for _, e in self.arrays() for c in e.chunks for r in ((c, c.base) if c.base is not None else (c,))]
 
     def blob_ids(self):
         """Ids of the chunks stored as blobs of their own (``objects/``)."""
@@ -260,8 +280,11 @@ def encode_manifest(m: Manifest) -> bytes:
     for n in m.nodes:
         p = n.payload
         if n.kind in ARRAY_KINDS:
-            if any(c.codec == "planes" for c in p.chunks):
-                fmt = PLANES_FORMAT
+            for c in p.chunks:
+                if c.codec == "delta":
+                    fmt = DELTA_FORMAT
+                elif c.codec == "planes":
+                    fmt = max(fmt, PLANES_FORMAT)
             d = {"dtype": p.dtype, "shape": list(p.shape), "chunks": [c.encode(packs) for c in p.chunks]}
             if n.kind in TENSOR_KINDS:
                 d["device"], d["requires_grad"] = p.device, p.requires_grad
@@ -299,6 +322,8 @@ def itemsize(kind: str, dtype: str) -> int:
 
 
 def _decode_chunk(c: Any, where: str, fmt: int, packs: List[str]) -> ChunkRef:
+    if isinstance(c, list) and len(c) >= 3 and c[2] == "delta":
+        return _decode_delta(c, where, fmt, packs)
     if not isinstance(c, list) or len(c) not in ((3, 6) if fmt >= 2 else (3,)):
         raise ValueError(f"{where}: bad chunk {c!r:.120}")
     blob_id, nbytes, codec = c[:3]
@@ -315,6 +340,30 @@ def _decode_chunk(c: Any, where: str, fmt: int, packs: List[str]) -> ChunkRef:
     if codec == "raw" and stored != nbytes:
         raise ValueError(f"{where}: raw chunk {blob_id} stores {stored} bytes for {nbytes}")
     return ChunkRef(blob_id, nbytes, codec, pack, offset, stored)
+
+
+MAX_DELTA_SEQ = 1 << 31
+
+
+def _decode_delta(c: list, where: str, fmt: int, packs: List[str]) -> ChunkRef:
+    """A delta record ``[chunk id, raw length, "delta", key, seq]`` (format 5): its key must be a full blob of the
+    same raw length (chain depth 1, so a cycle cannot be written down), not the chunk itself."""
+    if fmt < DELTA_FORMAT or len(c) != 5:
+        raise ValueError(f"{where}: bad delta chunk {c!r:.160} (format {fmt})")
+    blob_id, nbytes, _, key, seq = c
+    check_blob_id(blob_id)
+    nbytes = _int(nbytes, f"{where} chunk size", 1, MAX_CHUNK_BYTES)
+    if isinstance(key, list) and len(key) >= 3 and key[2] == "delta":
+        raise ValueError(f"{where}: delta chunk {blob_id} names a delta ({key[0]!r:.70}) as its key: a key must "
+                         "be a full blob (chain depth 1)")
+    if not isinstance(key, list) or len(key) != 3:
+        raise ValueError(f"{where}: delta chunk {blob_id} names a key that is not a blob: {key!r:.160}")
+    base = _decode_chunk(key, where, fmt, packs)
+    if base.nbytes != nbytes:
+        raise ValueError(f"{where}: delta chunk {blob_id} of {nbytes} bytes names a key of {base.nbytes}")
+    if base.blob_id == blob_id:
+        raise ValueError(f"{where}: delta chunk {blob_id} names itself as its key")
+    return ChunkRef(blob_id, nbytes, "delta", base=base, seq=_int(seq, f"{where} delta seq", 1, MAX_DELTA_SEQ))
 
 
 def _check_pack_ranges(nodes: List["ManifestNode"]) -> None:

@@ -82,7 +82,7 @@ def _read(blobs: BlobStore, manifest: Manifest, chosen, executor: Executor, shar
             else:
                 codec, size = stored[("blob", c.blob_id, c.codec)]
                 pending.append(executor.submit(blobs.read_into, c.blob_id, codec, mv[off: off + c.nbytes],
-                                               step=manifest.step, key=key, size=size))
+                                               step=manifest.step, key=key, size=size, base=c.base))
             off += c.nbytes
         node = Node(mnode.path, mnode.kind, (buf, entry))
         nodes.append(node)

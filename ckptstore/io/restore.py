@@ -72,7 +72,7 @@ class SpanReader:
             for f in read_chunks(self.blobs.storage, [ReadItem(c, mv, self.step, key)], executor=self.executor):
                 f.result()
         else:
-            self.blobs.read_into(c.blob_id, c.codec, mv, step=self.step, key=key)
+            self.blobs.read_into(c.blob_id, c.codec, mv, step=self.step, key=key, base=c.base)
         self._cache[c.blob_id] = buf
         while len(self._cache) > self.keep:
             self._cache.popitem(last=False)
@@ -401,7 +401,8 @@ class StepLoader:
                 self._packed.append(ReadItem(c, mv[off: off + c.nbytes], self.commit.step, key))
             else:
                 self._futures.append(self.executor.submit(self.blobs.read_into, c.blob_id, c.codec,
-                                                          mv[off: off + c.nbytes], step=self.commit.step, key=key))
+                                                          mv[off: off + c.nbytes], step=self.commit.step, key=key,
+                                                          base=c.base))
             off += c.nbytes
 
 

@@ -19,6 +19,7 @@ from ..format.index import ChunkIndex
 from ..format.manifest import ChunkRef
 from ..format.packs import PackBuffers, Packing, plan_packs, write_pack
 from ..format.planes import float_itemsize
+from .deltas import put_chunk
 from .snapshot import ArraySpec
 
 
@@ -38,6 +39,7 @@ class WriteStats:
 class _Claims:
     lock: threading.Lock = field(default_factory=threading.Lock)
     claimed: Dict[str, threading.Event] = field(default_factory=dict)
+    refs: Dict[str, ChunkRef] = field(default_factory=dict)      # what the first writer of a chunk stored
 
 
 def chunk_ranges(nbytes: int, chunk_size: int):
@@ -50,7 +52,7 @@ _HASH_BATCH_BYTES = 4 << 20           # small chunks are hashed in batches: one 
 
 def write_arrays(blobs: BlobStore, specs: List[ArraySpec], *, chunk_size: int, codec: str, level: int,
                  executor: Executor, packing: Optional[Packing] = None, index: Optional[ChunkIndex] = None,
-                 buffers: Optional[PackBuffers] = None) -> (List[List[ChunkRef]], WriteStats):
+                 buffers: Optional[PackBuffers] = None, deltas: int = 0) -> (List[List[ChunkRef]], WriteStats):
     """Store the bytes of every spec. Returns one chunk-reference list per spec, and statistics.
 
     Chunks of ``packing.threshold`` bytes or more become blobs (hashed and written by ``executor``, one task
@@ -60,6 +62,9 @@ def write_arrays(blobs: BlobStore, specs: List[ArraySpec], *, chunk_size: int, c
     is neither hashed nor written; a spec with a ``ready`` CUDA event is read only after the event completes.
     ``codec`` (``"raw"``, ``"zstd"``, ``"auto"``) is applied per chunk (:func:`~ckptstore.format.blobs.encode_chunk`;
     under ``"auto"`` a chunk of a floating-point spec is tried with the planes codec, by the spec's dtype).
+    ``deltas`` (``"auto"`` only): a blob chunk whose parent step (``index``) had a blob chunk of the same key path,
+    dtype, chunk index and length is stored as a delta against that chunk's key, at most ``deltas`` per key
+    (:mod:`ckptstore.io.deltas`).
 
     Raises whatever a worker raised (``OSError`` from the disk, ...) once all workers are done; what was
     written stays unreferenced until garbage collection removes it.
@@ -79,7 +84,7 @@ def write_arrays(blobs: BlobStore, specs: List[ArraySpec], *, chunk_size: int, c
                 stats.objects_new += 1
                 stats.bytes_written += wrote
 
-    def work(view: memoryview, itemsize) -> ChunkRef:
+    def work(view: memoryview, itemsize, parent: Optional[ChunkRef]) -> ChunkRef:
         t0 = time.perf_counter()
         blob_id = digest_bytes(view)
         t1 = time.perf_counter()
@@ -90,14 +95,19 @@ def write_arrays(blobs: BlobStore, specs: List[ArraySpec], *, chunk_size: int, c
                 ev = claims.claimed[blob_id] = threading.Event()
         if not first:
             ev.wait()                       # the same bytes are being written by another worker
-            used, wrote = blobs.locate(blob_id) or codec, 0
+            ref, wrote = claims.refs.get(blob_id) or ChunkRef(blob_id, len(view), blobs.locate(blob_id) or codec), 0
         else:
             try:
-                used, wrote = blobs.put(blob_id, view, codec, level, itemsize)
+                if deltas and index is not None:
+                    ref, wrote = put_chunk(blobs, blob_id, view, parent, deltas, level, itemsize)
+                else:
+                    used, wrote = blobs.put(blob_id, view, codec, level, itemsize)
+                    ref = ChunkRef(blob_id, len(view), used)
+                claims.refs[blob_id] = ref
             finally:
                 ev.set()
         account(wrote, t1 - t0, time.perf_counter() - t1, 1)
-        return ChunkRef(blob_id, len(view), used)
+        return ref
 
     def hash_batch(views: List[memoryview]) -> List[str]:
         t0 = time.perf_counter()
@@ -126,7 +136,8 @@ def write_arrays(blobs: BlobStore, specs: List[ArraySpec], *, chunk_size: int, c
                 per_spec.append(None)
                 small.append((si, ci, view[off: off + n], itemsize))
             else:
-                per_spec.append(executor.submit(work, view[off: off + n], itemsize))
+                parent = index.parent(spec.path, spec.dtype, ci, n) if deltas and index is not None else None
+                per_spec.append(executor.submit(work, view[off: off + n], itemsize, parent))
         results.append(per_spec)
     error = None
     try:

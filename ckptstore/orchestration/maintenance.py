@@ -331,7 +331,7 @@ class Maintenance:
                 key = path_str(node.path)
                 if c.pack is None:
                     futures.append(p.pool.submit(p.blobs.verify, c.blob_id, c.codec, c.nbytes,
-                                                 step=manifest.step, key=key))
+                                                 step=manifest.step, key=key, base=c.base))
                 elif c.nbytes > STREAM_VERIFY_BYTES:
                     futures.append(p.pool.submit(_verify_packed_stream, p.storage, c, manifest.step, key))
                 else:

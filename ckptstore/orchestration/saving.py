@@ -301,7 +301,7 @@ class Saver:
                 with self.write_lock(), gc_paused():
                     refs, stats = write_arrays(p.blobs, specs, chunk_size=w.chunk_size, codec=w.codec,
                                                level=w.zstd_level, executor=pool, packing=w.packing,
-                                               index=p.index, buffers=p.pack_buffers)
+                                               index=p.index, buffers=p.pack_buffers, deltas=w.deltas)
                     t_blobs = time.perf_counter()
                     manifest = Manifest(step=step, rank=p.rank, world_size=p.world_size,
                                         stateful=stateful, nodes=_manifest_nodes(nodes, specs, refs),
@@ -320,7 +320,7 @@ class Saver:
             p.index.clear()
             raise
         p.versions.record(specs, refs)
-        p.index.replace(r for per_spec in refs for r in per_spec)
+        p.index.replace((r for per_spec in refs for r in per_spec), manifest)
         self.last_committed = (step, self._gen, manifest)
         t_commit = time.perf_counter()
         self._after_commit(step, committed, t0)

@@ -66,6 +66,18 @@ class TransferStats:
     ranges_fetched: int = 0
 
 
+def _obj_key(c: ChunkRef) -> Tuple[str, str]:
+    """The ``known_dst`` key of the object a chunk reference names: ``("pack", id)``, ``("blob", id)`` for a full
+    copy of a chunk, ``("delta", id)`` for a delta (no full copy: a step naming the chunk in full still needs one)."""
+    if c.pack is not None:
+        return "pack", c.pack
+    return ("delta" if c.codec == "delta" else "blob"), c.blob_id
+
+
+def _dst_keys(m: Manifest) -> Set[Tuple[str, str]]:
+    return {_obj_key(c) for c in m.chunk_refs()}
+
+
 def _plain_shared(n, replicated, rank_local) -> bool:
     """Whether manifest node ``n`` is a plain (not sharded) value that every rank holds alike, chunk ids
     included: not under a ``replicated`` key (rank 0 alone saves those) nor a path the shard map calls
@@ -104,7 +116,8 @@ def _file_digest(path: str) -> Tuple[str, int]:
 class StepCopier:
     """Copies steps from ``src`` to ``dst`` (two :class:`~ckptstore.storage.Storage`). Thread-safe.
 
-    ``known_dst``: ``("blob", id)`` / ``("pack", id)`` keys of objects known to exist on ``dst`` (grows as
+    ``known_dst``: ``("blob", id)`` / ``("delta", id)`` / ``("pack", id)`` keys of objects known to exist on
+    ``dst`` (a full copy of a chunk, a delta of it, a pack; grows as
     they are copied or found), so an object is looked up at most once and never copied twice.
 
     ``progress``: called as ``progress(done, total)`` (bytes, cumulative for the step being copied) from the
@@ -289,15 +302,17 @@ class StepCopier:
             return payload
         return read_verified(self.src, path, once)
 
-    def _copy_blob(self, step: int, blob_id: str, codec: str, nbytes: int,
+    def _copy_blob(self, step: int, blob_id: str, codec: str, nbytes: int, base: Optional[ChunkRef] = None,
                    stats: Optional[TransferStats] = None) -> int:
         """Copy one blob if ``dst`` lacks it, verifying its bytes first. Returns bytes sent (0 if present).
+        A delta (``base``: its key) is verified by decoding it against its key, read from ``src`` and verified
+        (one more read of the key's raw length per delta copied).
 
         Small blobs on a destination with create-only writes are not looked up first: the write itself is
         conditional (S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``), so a present blob costs one request
         and a resend of at most ``STREAM_THRESHOLD`` bytes, and an absent one (the common case) one request
         instead of two. Large blobs are looked up (one HEAD) before their bytes are sent."""
-        key = ("blob", blob_id)
+        key = ("delta" if codec == "delta" else "blob", blob_id)
         with self._lock:
             if key in self.known_dst:
                 return 0
@@ -310,7 +325,7 @@ class StepCopier:
             sent = fetched = self._put_verified_file(step, path, local, blob_id, nbytes, "blob", blob_id)
         else:
             payload = self._read_checked(step, path, "blob", blob_id, lambda: self.src.read_bytes(path),
-                                         lambda b: BlobStore.intact(b, blob_id, codec, nbytes))
+                                         self._intact(step, blob_id, codec, nbytes, base))
             wrote = self.call(lambda: self.dst.write_new(path, payload), f"write blob {blob_id}")
             sent, fetched = (len(payload) if wrote else 0), len(payload)
         if stats is not None:
@@ -318,6 +333,16 @@ class StepCopier:
         with self._lock:
             self.known_dst.add(key)
         return sent
+
+    def _intact(self, step: int, blob_id: str, codec: str, nbytes: int, base: Optional[ChunkRef]):
+        """``check(stored bytes) -> bool`` of one blob copied: decoded and hashed (a delta against its key)."""
+        if codec != "delta":
+            return lambda b: BlobStore.intact(b, blob_id, codec, nbytes)
+        if base is None:
+            raise CorruptCheckpointError("a delta chunk names no key", step=step, blob=blob_id)
+        key = bytearray(nbytes)
+        BlobStore(self.src, quarantine=False).read_into(base.blob_id, base.codec, memoryview(key), step=step)
+        return lambda b: BlobStore.intact(b, blob_id, codec, nbytes, key=key, key_id=base.blob_id)
 
     def copy_step(self, step: int, *, ranks=None, marker: str = "write",
                   others_timeout: Optional[float] = None,
@@ -387,9 +412,10 @@ class StepCopier:
         blobs, packs, pack_ends = {}, set(), {}
         ranges: Dict[str, Dict[Tuple[int, int], ChunkRef]] = {}
         for _, _, m in manifests:
-            for c in m.chunk_refs():
+            for c in m.chunk_refs():                # each delta's key too (FORMAT.md "The delta codec")
                 if c.pack is None:
-                    blobs[c.blob_id] = c
+                    if c.blob_id not in blobs or blobs[c.blob_id].codec == "delta":   # a full copy serves both
+                        blobs[c.blob_id] = c
                 else:
                     packs.add(c.pack)
                     pack_ends[c.pack] = max(pack_ends.get(c.pack, 0), c.offset + c.stored)
@@ -400,7 +426,7 @@ class StepCopier:
         # one of several uploaders (node-local roots): objects another root holds too are left to the root of
         # their owner rank, and confirmed on dst (in the owner's manifest there) before our manifests go
         deferred = self._owned_elsewhere(step, commit, manifests, blobs, packs) if marker != "write" else {}
-        held = {b: blobs.pop(b) for kind, b in deferred if kind == "blob"}
+        held = {b: blobs.pop(b) for kind, b in deferred if kind != "pack"}
         packs -= {p for kind, p in deferred if kind == "pack"}
         stats = TransferStats(step=step, blobs_total=len(blobs) + len(packs))
         for _ in range(10):
@@ -411,7 +437,7 @@ class StepCopier:
                 late = self._await_owners(step, commit, deferred, others_timeout)
                 deferred = {}
                 if late:                          # not where the owner's manifest says: uploaded by us after all
-                    late_blobs = {b: held[b] for kind, b in late if kind == "blob"}
+                    late_blobs = {b: held[b] for kind, b in late if kind != "pack"}
                     late_packs = {p for kind, p in late if kind == "pack"}
                     blobs.update(late_blobs)
                     packs |= late_packs
@@ -445,7 +471,7 @@ class StepCopier:
                         len(blobs), self.dst.url)
             self.dst.refresh()
             with self._lock:
-                self.known_dst.difference_update({("blob", b) for b in blobs} | {("pack", p) for p in packs})
+                self.known_dst.difference_update({_obj_key(c) for c in blobs.values()} | {("pack", p) for p in packs})
         else:
             raise UploadError(f"step {step}: the destination kept failing while its blobs were checked")
         stats.seconds = time.perf_counter() - t0
@@ -519,12 +545,12 @@ class StepCopier:
                 elif _plain_shared(n, rep, smap.rank_local):
                     owner = 0
                 for c in e.chunks:
-                    owners.setdefault(("blob", c.blob_id) if c.pack is None else ("pack", c.pack), set()).add(owner)
+                    owners.setdefault(_obj_key(c), set()).add(owner)
         with self._lock:                              # known there already (an earlier step's): nothing to leave
             known = set(self.known_dst)
+        ours = {_obj_key(c) for c in blobs.values()}
         out = {k: next(iter(o)) for k, o in owners.items()
-               if len(o) == 1 and not o & mine and k not in known
-               and (k[1] in blobs if k[0] == "blob" else k[1] in packs)}
+               if len(o) == 1 and not o & mine and k not in known and (k in ours if k[0] != "pack" else k[1] in packs)}
         if out and commit.table is not None:
             # a marker naming a manifest table (more than mtable.INLINE_ROWS ranks): this root holds its own
             # ranks' rows and, from its leader, the owners' (rows files' refs); an owner's manifest is confirmed
@@ -565,7 +591,7 @@ class StepCopier:
             try:
                 m = decode_manifest(data, step=step, rank=owner, what=manifest_path(step, owner,
                                                                                   commit.manifests[owner][2]))
-                have = {("blob", b) for b in m.blob_ids()} | {("pack", p) for p in m.pack_ids()}
+                have = _dst_keys(m)
             except CheckpointError:
                 have = set()
             with self._lock:
@@ -779,7 +805,7 @@ class StepCopier:
             return sent
         # packs first: they are the large objects, and the pool overlaps them with the many small blobs
         futures = [self._pool.submit(counted, self._copy_pack, ("pack", p)) for p in sorted(packs)]
-        futures += [self._pool.submit(counted, self._copy_blob, ("blob", b), c.codec, c.nbytes)
+        futures += [self._pool.submit(counted, self._copy_blob, ("blob", b), c.codec, c.nbytes, c.base)
                     for b, c in blobs.items()]
         error, new = None, {}
         if ranged:
@@ -822,6 +848,6 @@ class StepCopier:
             for rank in wanted:
                 m = self.dst_catalog.read_manifest(commit, rank)
                 with self._lock:
-                    self.known_dst |= {("blob", b) for b in m.blob_ids()} | {("pack", p) for p in m.pack_ids()}
+                    self.known_dst |= _dst_keys(m)
         except Exception as e:  # only an optimisation: a damaged remote step is simply not trusted
             log.info("not using the blobs of step %d of %s as known: %s", step, self.dst.url, e)

@@ -318,6 +318,25 @@ def test_ddp_replicated_state_is_stored_once(tmp_path):
     assert four <= 1.05 * one, (one, four)
 
 
+@pytest.mark.parametrize("ddp", [0, 1], ids=["fsdp2", "ddp"])
+def test_deltas_of_a_2_rank_job_resume_on_1_and_2_ranks(tmp_path, ddp):
+    """``Writing(codec="auto", deltas=2)`` on 2 ranks sharing a root, a save every step: FSDP2 shards (each rank
+    its own deltas and keys; one rank reads the other's when resharding) and DDP replicas (both ranks write the
+    same delta blobs, once). Every rank's last manifest names deltas; resumes bit for bit (issue 30)."""
+    store = str(tmp_path / "store")
+    run(2, "--mode", "train", "--ddp", str(ddp), "--deltas", "2", "--store", store, "--steps", "3",
+        "--hidden", "512", "--full", str(tmp_path / "w.pt"))      # (at 24, lr 1e-2 moves too much to pay)
+    with Store(store, read_only=True) as s:
+        commit = s.catalog.read_commit(3)
+        for rank in (0, 1):
+            m = s.catalog.read_manifest(commit, rank)
+            assert any(c.codec == "delta" for c in m.chunk_refs()), rank
+    for world in (1, 2):
+        run(world, "--mode", "load", "--ddp", str(ddp), "--store", store, "--hidden", "512",
+            "--full", str(tmp_path / f"got{world}.pt"))
+        assert_same_state(full(tmp_path / f"got{world}.pt")["state"], full(tmp_path / "w.pt")["state"])
+
+
 def test_node_local_roots_each_get_the_commit_and_resume(tmp_path):
     """Ranks 0-1 and 2-3 write to different roots (two "nodes"): each root gets its ranks' manifests and the
     commit marker, retention runs in each; resume with the same world size reads each rank's own root."""
