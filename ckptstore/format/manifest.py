@@ -21,7 +21,7 @@ Manifest body (one per rank and step)::
                                                                       stored = bytes in the pack)
             | [chunk_id, raw_nbytes, "delta", key, seq]              a delta blob (objects/<id>.dlt, format 5):
                                                                       key = [key_id, raw_nbytes, codec], the
-                                                                      full blob it is the XOR against (never a
+                                                                      full blob it is a difference with (never a
                                                                       delta: chain depth 1); seq >= 1: deltas
                                                                       against that key so far (FORMAT.md "The
                                                                       delta codec")
@@ -93,8 +93,8 @@ class ChunkRef:
     :mod:`ckptstore.format.delta`, format 5).
     ``pack``: ``None`` when the chunk is a blob of its own (``objects/``), else the id of the pack holding it,
     at byte ``offset`` for ``stored`` bytes (``stored == nbytes`` for raw chunks).
-    ``base``: a delta's key, the full blob (same raw length, codec not ``"delta"``, no pack) whose bytes XORed
-    with the delta's decoded bytes give the chunk; ``seq``: how many deltas against that key the chain has
+    ``base``: a delta's key, the full blob (same raw length, codec not ``"delta"``, no pack) which, added back to
+    the delta's decoded difference, gives the chunk; ``seq``: how many deltas against that key the chain has
     reached with this one (1, 2, ...; the writer stores the chunk in full again after ``Writing.deltas``).
     Both are ``None`` / 0 for every other codec.
     """

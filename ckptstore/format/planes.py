@@ -2,7 +2,7 @@
 
 A pure module (bytes and an element size in, a frame out; a frame in, bytes out): it knows nothing of blobs,
 packs or manifests, so a writer's choice of codec (:func:`ckptstore.format.blobs.encode_chunk`) and a later delta
-codec (XOR against the parent step's chunk, then this) reuse it as it is.
+codec (the difference with the parent step's chunk, then this) reuse it as it is.
 
 Why (issue 30; ZipNN, IBM 2024): in a float the exponent byte holds ~2.6-3.5 bits of information and the mantissa
 bytes ~8, so zstd over the interleaved bytes finds little (1.08x on fp32 weights measured here), while the

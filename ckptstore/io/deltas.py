@@ -2,7 +2,7 @@
 blob chunks are stored as a delta against their parent step's key, and how.
 
 A chunk stored as a blob whose tensor had a blob chunk of the same key path, dtype, chunk index and raw length in
-this rank's parent step (:meth:`ckptstore.format.index.ChunkIndex.parent`) is stored as the XOR with that chunk's
+this rank's parent step (:meth:`ckptstore.format.index.ChunkIndex.parent`) is stored as the difference with that chunk's
 *key*: the parent's chunk itself when it is stored in full, else the key the parent's chunk is a delta against. So
 a delta's key is never a delta (chain depth 1) and a chain never passes ``K`` deltas against one key: the
 ``K + 1``-th save stores the chunk in full, and it becomes the next key. The key's raw bytes are read back from the

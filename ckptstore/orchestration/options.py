@@ -47,7 +47,7 @@ class Writing:
 
     ``deltas``: with ``codec="auto"`` only (else ``ValueError``), default 0 (off): a chunk stored as a blob whose
     tensor had a blob chunk of the same key path, dtype, index and length in this rank's previous committed step is
-    stored as the XOR with that chunk's key (the full chunk the delta chain started from), at most ``deltas`` saves
+    stored as the difference with that chunk's key (the full chunk the delta chain started from), at most ``deltas`` saves
     in a row; then in full again (the next key). Chains have depth 1 (a key is never a delta). Opt-in: a delta
     costs one read of its key (the chunk's raw length) at save, and a read of the key beside the delta at load;
     gc keeps a key while a delta needs it. Measured here (issue 30, saved every training step):

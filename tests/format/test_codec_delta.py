@@ -1,7 +1,8 @@
-"""The delta codec (issue 30): ``Writing(codec="auto", deltas=K)`` stores a blob chunk as the XOR with its parent
-step's key. Keys every K + 1 saves and chain depth 1; every step loads bit for bit and verifies; gc keeps a key a
-live delta needs; a step goes to S3 and back with its keys; a missing or replaced key, a manifest naming another
-key or a delta as a key, all end in ``CorruptCheckpointError`` and resume falling back; older formats still load."""
+"""The delta codec (issue 30): ``Writing(codec="auto", deltas=K)`` stores a blob chunk as its difference with
+its parent step's key. Keys every K + 1 saves and chain depth 1; every step loads bit for bit and verifies; gc
+keeps a key a live delta needs; a step goes to S3 and back with its keys; a missing or replaced key, a manifest
+naming another key or a delta as a key, all end in ``CorruptCheckpointError`` and resume falling back; older
+formats still load."""
 import shutil
 
 import msgpack
@@ -219,6 +220,13 @@ def test_delta_frames_refuse_the_wrong_key_length_and_damage():
             delta.decode_into(frame, key[:-4], kid, memoryview(bytearray(len(data) - 4)))
         with pytest.raises(delta.DeltaError):
             delta.decode_into(frame[:-3], key, kid, memoryview(out))
+    frame = delta.encode(data, key, kid, 4)
+    assert frame[6:8] == bytes([delta.DIFF, 4])              # floats: the zigzag difference of 4-byte integers
+    for op_k in ((delta.DIFF, 3), (delta.DIFF, 0), (delta.XOR, 4), (2, 4)):
+        bad = bytearray(frame)
+        bad[6:8] = bytes(op_k)
+        with pytest.raises(delta.DeltaError, match="op"):
+            delta.decode_into(bad, key, kid, memoryview(bytearray(len(data))))
 
 
 def test_a_damaged_delta_is_quarantined_and_resume_falls_back(tmp_path):
