@@ -47,12 +47,12 @@ class Writing:
 
     ``deltas``: with ``codec="auto"`` only (else ``ValueError``), default 0 (off): a chunk stored as a blob whose
     tensor had a blob chunk of the same key path, dtype, index and length in this rank's previous committed step is
-    stored as the difference with that chunk's key (the full chunk the delta chain started from), at most ``deltas`` saves
-    in a row; then in full again (the next key). Chains have depth 1 (a key is never a delta). Opt-in: a delta
-    costs one read of its key (the chunk's raw length) at save, and a read of the key beside the delta at load;
-    gc keeps a key while a delta needs it. Measured here (issue 30, saved every training step):
-    1.56x fp32 weights, 1.46x Adam v, 3.5x bf16 weights between consecutive saves (Adam m: 1.24x, about what
-    ``"auto"`` gives alone); averaged over a cycle of one key and ``deltas=4`` deltas 1.41x / 1.38x / 2.39x
+    stored as the difference with that chunk's key (the full chunk the delta chain started from), at most
+    ``deltas`` saves in a row; then in full again (the next key). Chains have depth 1 (a key is never a delta).
+    Opt-in: a delta costs one read of its key (the chunk's raw length) at save, and a read of the key beside the
+    delta at load; gc keeps a key while a delta needs it. Measured here (issue 30, saved every training step):
+    1.62x fp32 weights, 1.52x Adam v, 4.0x bf16 weights between consecutive saves (Adam m: 1.24x, about what
+    ``"auto"`` gives alone); averaged over a cycle of one key and ``deltas=4`` deltas 1.45x / 1.43x / 2.60x
     (benchmarks/README.md "bench_codec.py"; FORMAT.md "The delta codec").
     ``track_versions``: opt-in (default ``False``: every tensor is hashed at every save, and content addressing
     alone skips writing unchanged bytes). ``True`` skips copying and hashing a tensor whose storage, autograd
