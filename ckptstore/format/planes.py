@@ -68,9 +68,10 @@ except ImportError:                 # pragma: no cover (then python-zstandard's 
 _C_PARAMS = (("strategy", 1), ("windowLog", 15), ("hashLog", 6), ("chainLog", 6), ("searchLog", 1),
              ("minMatch", 7), ("targetLength", 4096), ("literalCompressionMode", 1), ("contentSizeFlag", 1),
              ("checksumFlag", 0))
-#: For a plane whose sample is mostly one byte value (runs: a tensor's zero rows, a masked or unused region), the
-#: full match search: the runs are matches, and the skipping search above misses part of them (8% larger on the
-#: planes of an embedding's Adam moments with unused rows, measured here).
+#: For a plane whose sample is mostly one byte value, the full match search is tried too and the smaller frame
+#: kept: runs (a tensor's zero rows, a masked or unused region) are matches the skipping search above misses in
+#: part (it stores the planes of an embedding's Adam moments with unused rows 8% larger, measured here), while
+#: a plane of few values without runs (a LayerNorm weight's exponents) is 2x smaller as Huffman literals alone.
 _C_PARAMS_RUNS = tuple((name, {"targetLength": 0, "hashLog": 8}.get(name, value)) for name, value in _C_PARAMS)
 _local = threading.local()          # zstd contexts per thread (a context is not thread-safe)
 
@@ -93,8 +94,8 @@ def _c_ctx(kind: str):
 
 
 def _compress_plane(plane: np.ndarray, limit: int, runs: bool = False) -> Optional[np.ndarray]:
-    """``plane`` as one zstd frame when it fits in ``limit`` bytes, else ``None``; ``runs``: the plane is mostly
-    one byte value (see :data:`_C_PARAMS_RUNS`)."""
+    """``plane`` as one zstd frame when it fits in ``limit`` bytes, else ``None``; ``runs``: with the full match
+    search (:data:`_C_PARAMS_RUNS`)."""
     if _lib is None:
         packed = zstandard.ZstdCompressor(compression_params=_PARAMS).compress(plane)
         return packed if len(packed) <= limit else None
@@ -139,7 +140,7 @@ def may_pay(planes: np.ndarray):
     byte value; two boolean arrays, by the byte histogram of a sample (4 pieces of 1 KiB spread over the row; one
     ``bincount`` for all rows). A plane of near-uniform bytes (a float's low mantissa bytes: 7.99 bits each) has
     nothing for zstd to find; this costs a few microseconds where compressing a 64 KiB sample cost 40-250
-    (measured here). Rows of at most 4 KiB are always tried, with the full match search."""
+    (measured here). Rows of at most 4 KiB are always tried, both ways (see :data:`_C_PARAMS_RUNS`)."""
     k, m = planes.shape
     if m <= 4 * _HIST_SAMPLE:
         return np.ones(k, dtype=bool), np.ones(k, dtype=bool)
@@ -173,9 +174,10 @@ def _split_into(planes: np.ndarray, a: np.ndarray, k: int, transform: int) -> No
         _byte_of(a, k, i, planes[i])
     if transform == EXPONENT:
         e, s = planes[k - 1], planes[k - 2]              # hold T (top byte) and U (the byte below) for now
-        t = e.copy()
+        t, u = e.copy(), np.empty_like(e)
         np.add(t, t, out=e)                               # T << 1 (uint8 addition wraps; faster than a shift)
-        e |= s >> 7
+        np.right_shift(s, 7, out=u)
+        e |= u
         s &= 0x7F
         t &= 0x80
         s |= t
@@ -189,11 +191,14 @@ def _merge_into(out: np.ndarray, srcs, k: int, transform: int) -> None:
     cols = out.reshape(m, k)
     if transform == EXPONENT:
         e, s = srcs[k - 1], srcs[k - 2]
-        top = s & 0x80                                    # T = e >> 1 | sign
-        top |= e >> 1
-        low = e & 1                                       # U = (e & 1) << 7 | s & 0x7F
-        low *= 0x80
-        low |= s & 0x7F
+        top, low, t = np.empty(m, np.uint8), np.empty(m, np.uint8), np.empty(m, np.uint8)
+        np.bitwise_and(s, 0x80, out=top)                  # T = e >> 1 | sign
+        np.right_shift(e, 1, out=t)
+        top |= t
+        np.bitwise_and(e, 1, out=low)                     # U = (e & 1) << 7 | s & 0x7F
+        np.multiply(low, 0x80, out=low)                   # (a uint8 multiply: faster than numpy's uint8 shift)
+        np.bitwise_and(s, 0x7F, out=t)
+        low |= t
         srcs = list(srcs[: k - 2]) + [low, top]
     for i, src in enumerate(srcs):
         cols[:, i] = src
@@ -203,18 +208,22 @@ def _compress_planes(buf: np.ndarray, body: np.ndarray, pos: int):
     """Compress, in place, the planes (rows of ``body``, a view of ``buf`` from ``pos``) that pay: each stored as
     zstd or raw, the later ones moved down over what compression saved. Returns (plane headers, end)."""
     k, m = body.shape
-    heads = []
+    start, heads = pos, []
     tries, runs = may_pay(body) if m else (None, None)
     for i in range(k):
         plane = body[i]
         method, stored = RAW, m
         if m:
             if tries[i]:
-                packed = _compress_plane(plane, int(MIN_GAIN * m), runs[i])
+                packed = _compress_plane(plane, int(MIN_GAIN * m))
+                if runs[i]:                               # runs or few values: the full search may do better
+                    other = _compress_plane(plane, int(MIN_GAIN * m), True)
+                    if other is not None and (packed is None or len(other) < len(packed)):
+                        packed = other
                 if packed is not None:
                     method, stored = ZSTD, len(packed)
                     buf[pos: pos + stored] = np.frombuffer(packed, dtype=np.uint8)
-        if method == RAW and pos != body.ctypes.data - buf.ctypes.data + i * m:
+        if method == RAW and pos != start + i * m:
             buf[pos: pos + m] = plane                     # numpy copies overlapping ranges correctly
         heads.append(_PLANE.pack(method, stored))
         pos += stored
