@@ -12,11 +12,19 @@ holds the 8 bits after the sign (a bfloat16 / float32 exponent, the top 8 of a f
 sign and the 7 bits after those (transform 1: the same gain as rotating each element left by one bit, as ZipNN
 does, at a cost of a few passes over two planes instead of two over the whole chunk; +0.6% on fp32 weights,
 +1.5% on bfloat16 and Adam's second moment against no transform, measured here). Each plane is stored as one zstd
-frame or raw, whichever is smaller (a plane is first tried on a 64 KiB sample,
-so incompressible mantissa planes cost no compression pass). The zstd parameters (level 1, 32 KiB window,
-a 256-entry hash table, 7-byte minimum matches) leave nearly everything to zstd's Huffman literal coder: a byte
-plane has no long repeats, and fewer matches compressed the exponent plane better (3.13x vs 2.83x at level 1's
-defaults on fp32 weights; benchmarks/README.md "bench_codec.py").
+frame or raw, whichever is smaller; only planes whose sampled byte histogram (4 x 1 KiB) promises >= 3% are
+compressed at all (:func:`may_pay`), so incompressible mantissa planes cost a few microseconds.
+
+How it is fast (benchmarks/README.md "bench_codec.py" has the figures, per core): the split is one truncating cast
+per plane of the elements read ``i`` bytes on (an unaligned integer view), written straight into the frame, plus
+a few uint8 operations for the regrouping (:func:`_split_into`); zstd is called through its C API (python-zstandard's
+cffi backend) with literals always Huffman-coded and the fast strategy's match search skipping ahead
+(:data:`_C_PARAMS`), so it spends its time on Huffman coding, not on the matches a byte plane hardly has: 2x
+faster than level 1 with a small hash table, and 1-3% smaller; a plane mostly of one value is also tried with the
+full search (runs are matches) and the smaller kept. Decoding is one ``ZSTD_decompressDCtx`` per zstd plane into a
+buffer of its exact length, then the top planes regrouped in uint8 and one strided byte copy per plane
+(:func:`_merge_into`). Where cffi is missing, python-zstandard's own API codes the planes (the same frames,
+compressed with ``_PARAMS``: level 1, 32 KiB window, 256-entry hash table, 7-byte matches, about half as fast).
 
 Frame (all integers little-endian; FORMAT.md "The planes codec")::
 
@@ -31,8 +39,9 @@ Frame (all integers little-endian; FORMAT.md "The planes codec")::
                   then the planes' stored bytes in order (plane i holds n div k bytes raw), then the tail
 
 A reader (:func:`decode_into`) checks every field, that ``n`` is the length it expects (the manifest's), that
-the stored lengths add up to the frame's length exactly, and decodes each zstd plane bounded by its raw length
-(a plane claiming more is refused, nothing larger than the output is ever allocated). Any failure is a
+the stored lengths add up to the frame's length exactly, and decodes each zstd plane into a buffer of its raw
+length (zstd never writes past it: a plane holding more, or claiming more in its zstd header, is refused, and
+nothing is allocated by what a frame claims). Any failure is a
 :class:`FrameError` (a ``ValueError``). Checking what the bytes hash to is the caller's (the chunk's id).
 """
 from __future__ import annotations
@@ -108,6 +117,7 @@ def _compress_plane(plane: np.ndarray, limit: int, runs: bool = False) -> Option
     return dst[:r]
 _DCTX_READ = 1 << 20
 _HIST_SAMPLE = 1 << 10               # bytes per piece of the sample whose histogram decides
+_CODER_BYTES = 64                    # a zstd frame's header + a Huffman table, about (bytes)
 
 
 class FrameError(ValueError):
@@ -135,23 +145,25 @@ _XLOG2 = np.arange(4 * _HIST_SAMPLE + 1) * np.log2(np.maximum(np.arange(4 * _HIS
 
 
 def may_pay(planes: np.ndarray):
-    """For each row of ``planes`` (uint8, ``k`` x ``m``): whether it could be stored in <= :data:`MIN_GAIN` of
-    its size by an order-0 entropy coder (zstd's Huffman-coded literals), and whether it is mostly (> half) one
-    byte value; two boolean arrays, by the byte histogram of a sample (4 pieces of 1 KiB spread over the row; one
-    ``bincount`` for all rows). A plane of near-uniform bytes (a float's low mantissa bytes: 7.99 bits each) has
-    nothing for zstd to find; this costs a few microseconds where compressing a 64 KiB sample cost 40-250
-    (measured here). Rows of at most 4 KiB are always tried, both ways (see :data:`_C_PARAMS_RUNS`)."""
+    """For each row of ``planes`` (uint8, ``k`` x ``m``, ``m`` > 0): whether it could be stored in <=
+    :data:`MIN_GAIN` of its size by an order-0 entropy coder (zstd's Huffman-coded literals, counting
+    :data:`_CODER_BYTES` for the coder's table and frame), and whether it is mostly (> half) one byte value; two
+    boolean arrays, by the byte histogram of the row or, above 4 KiB, of a sample (4 pieces of 1 KiB spread over
+    it); one ``bincount`` for all rows. A plane of near-uniform bytes (a float's low mantissa bytes: 7.99 bits
+    each) has nothing for zstd to find; this costs a few microseconds where compressing a 64 KiB sample cost
+    40-250 (measured here)."""
     k, m = planes.shape
     if m <= 4 * _HIST_SAMPLE:
-        return np.ones(k, dtype=bool), np.ones(k, dtype=bool)
-    step = m // 4
-    s = np.concatenate([planes[:, i * step: i * step + _HIST_SAMPLE] for i in range(4)], axis=1)
+        s = planes
+    else:
+        step = m // 4
+        s = np.concatenate([planes[:, i * step: i * step + _HIST_SAMPLE] for i in range(4)], axis=1)
     n = s.shape[1]
     idx = s.astype(np.intp)
     idx += (np.arange(k, dtype=np.intp) * 256)[:, None]
     c = np.bincount(idx.ravel(), minlength=256 * k).reshape(k, 256)
     bits = _XLOG2[n] - _XLOG2[c].sum(axis=1)                # n H: the sample's order-0 information
-    return bits / 8 <= MIN_GAIN * n, c.max(axis=1) * 2 > n
+    return bits / 8 + _CODER_BYTES * n / m <= MIN_GAIN * n, c.max(axis=1) * 2 > n
 
 
 def _byte_of(a: np.ndarray, k: int, i: int, dst: np.ndarray) -> None:
@@ -204,12 +216,15 @@ def _merge_into(out: np.ndarray, srcs, k: int, transform: int) -> None:
         cols[:, i] = src
 
 
-def _compress_planes(buf: np.ndarray, body: np.ndarray, pos: int):
+def _compress_planes(buf: np.ndarray, body: np.ndarray, pos: int, transform: int):
     """Compress, in place, the planes (rows of ``body``, a view of ``buf`` from ``pos``) that pay: each stored as
     zstd or raw, the later ones moved down over what compression saved. Returns (plane headers, end)."""
     k, m = body.shape
     start, heads = pos, []
-    tries, runs = may_pay(body) if m else (None, None)
+    if m and m <= 4 * _HIST_SAMPLE and transform == EXPONENT:
+        tries = runs = [i >= k - 2 for i in range(k)]     # small floats: the top two planes, both searches
+    else:                                                 # (a histogram costs more than compressing them)
+        tries, runs = may_pay(body) if m else (None, None)
     for i in range(k):
         plane = body[i]
         method, stored = RAW, m
@@ -254,7 +269,7 @@ def encode(data, itemsize: int, *, transform: int = EXPONENT) -> bytearray:
         body[0] = a[:m]
     elif m:
         _split_into(body, a[: m * k], k, transform)
-    heads, pos = _compress_planes(buf, body, hs)
+    heads, pos = _compress_planes(buf, body, hs, transform)
     tail = n - m * k
     if tail:
         buf[pos: pos + tail] = a[m * k:]
@@ -338,8 +353,9 @@ def _zstd_into(payload, out: memoryview) -> int:
 def decode_into(frame, out: memoryview) -> None:
     """Decode ``frame`` into ``out``, which must be exactly the raw length the frame is expected to hold (the
     manifest's ``nbytes``). Raises :class:`FrameError` when the header is damaged, claims another length, the
-    planes' stored lengths do not add up to the frame, or a plane does not decode to its length. Allocates
-    at most ``len(out)`` bytes besides ``out``."""
+    planes' stored lengths do not add up to the frame, or a plane does not decode to its length. Allocates,
+    besides ``out``, its zstd planes (at most ``len(out)`` bytes together) and, for floats, three temporaries of
+    one plane (``len(out) / k`` bytes each); never anything by what the frame claims."""
     mv = memoryview(frame)
     transform, k, n, planes, pos = parse_header(mv)
     if n != len(out):
