@@ -138,7 +138,6 @@ def sample(plane: np.ndarray, piece: int = _SAMPLE) -> np.ndarray:
 
 
 _UINT = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
-_BLOCK = 1 << 17                    # elements per pass of the split / interleave (its temporaries stay in cache)
 
 
 _XLOG2 = np.arange(4 * _HIST_SAMPLE + 1) * np.log2(np.maximum(np.arange(4 * _HIST_SAMPLE + 1), 1))  # c log2 c
@@ -166,54 +165,65 @@ def may_pay(planes: np.ndarray):
     return bits / 8 + _CODER_BYTES * n / m <= MIN_GAIN * n, c.max(axis=1) * 2 > n
 
 
-def _byte_of(a: np.ndarray, k: int, i: int, dst: np.ndarray) -> None:
-    """``dst`` = byte ``i`` of each ``k``-byte element of ``a`` (uint8, ``m * k`` bytes): a truncating cast of the
-    elements read ``i`` bytes further on (an unaligned view), the last element's byte set alone."""
-    m = dst.size
-    if i == 0:
-        np.copyto(dst, a.view(_UINT[k]), casting="unsafe")
-        return
-    if m > 1:
-        np.copyto(dst[:-1], np.ndarray((m - 1,), dtype=_UINT[k], buffer=a, offset=i), casting="unsafe")
-    dst[-1] = a[(m - 1) * k + i]
+_BLOCK = 1 << 16                    # elements per block of the split / merge: the block's bytes stay in cache
 
 
 def _split_into(planes: np.ndarray, a: np.ndarray, k: int, transform: int) -> None:
     """Write the ``k`` byte planes of the ``m`` elements ``a`` (uint8, ``m * k`` bytes) into the rows of
-    ``planes`` (uint8, ``k`` x ``m``), regrouping the top two for :data:`EXPONENT`: one contiguous truncating cast
-    per plane (no strided byte copies), the regrouping in uint8 operations on the top two planes."""
-    for i in range(k):
-        _byte_of(a, k, i, planes[i])
-    if transform == EXPONENT:
-        e, s = planes[k - 1], planes[k - 2]              # hold T (top byte) and U (the byte below) for now
-        t, u = e.copy(), np.empty_like(e)
-        np.add(t, t, out=e)                               # T << 1 (uint8 addition wraps; faster than a shift)
-        np.right_shift(s, 7, out=u)
-        e |= u
-        s &= 0x7F
-        t &= 0x80
-        s |= t
+    ``planes`` (uint8, ``k`` x ``m``), regrouping the top two for :data:`EXPONENT`. Plane ``i`` is a truncating
+    cast of the elements read ``i`` bytes further on (an unaligned integer view; no strided byte copies), the
+    regrouping a few uint8 operations; in blocks of :data:`_BLOCK` elements, so the source is read from memory
+    once, not once per plane."""
+    m = planes.shape[1]
+    u = _UINT[k]
+    tmp = np.empty((2, min(m, _BLOCK)), dtype=np.uint8)
+    for lo in range(0, m, _BLOCK):
+        hi = min(m, lo + _BLOCK)
+        np.copyto(planes[0, lo:hi], a[lo * k: hi * k].view(u), casting="unsafe")
+        last = hi - 1 if hi == m else hi                  # the array's last element is read alone (no bytes after it)
+        for i in range(1, k):
+            if last > lo:
+                np.copyto(planes[i, lo:last], np.ndarray((last - lo,), dtype=u, buffer=a, offset=lo * k + i),
+                          casting="unsafe")
+            if last < hi:
+                planes[i, last] = a[last * k + i]
+        if transform == EXPONENT:
+            e, s = planes[k - 1, lo:hi], planes[k - 2, lo:hi]   # hold T (top byte) and U (the byte below) now
+            t, v = tmp[0, : hi - lo], tmp[1, : hi - lo]
+            np.copyto(t, e)
+            np.add(t, t, out=e)                           # T << 1 (uint8 addition wraps; faster than a shift)
+            np.right_shift(s, 7, out=v)
+            e |= v
+            s &= 0x7F
+            t &= 0x80
+            s |= t
 
 
 def _merge_into(out: np.ndarray, srcs, k: int, transform: int) -> None:
     """The inverse of :func:`_split_into`: the elements from their ``k`` planes (``srcs``, uint8 arrays of ``m``
     bytes) into ``out`` (uint8, ``m * k`` bytes): the top two planes regrouped back, then one strided byte copy per
-    plane (numpy's strided copy beat widening casts + shifts + ORs here, benchmarks/README.md "bench_codec.py")."""
+    plane (numpy's strided copy beat widening casts + shifts + ORs here), in blocks of :data:`_BLOCK` elements
+    so that a block of ``out`` stays in cache while its ``k`` columns are written."""
     m = len(srcs[0])
     cols = out.reshape(m, k)
-    if transform == EXPONENT:
-        e, s = srcs[k - 1], srcs[k - 2]
-        top, low, t = np.empty(m, np.uint8), np.empty(m, np.uint8), np.empty(m, np.uint8)
-        np.bitwise_and(s, 0x80, out=top)                  # T = e >> 1 | sign
-        np.right_shift(e, 1, out=t)
-        top |= t
-        np.bitwise_and(e, 1, out=low)                     # U = (e & 1) << 7 | s & 0x7F
-        np.multiply(low, 0x80, out=low)                   # (a uint8 multiply: faster than numpy's uint8 shift)
-        np.bitwise_and(s, 0x7F, out=t)
-        low |= t
-        srcs = list(srcs[: k - 2]) + [low, top]
-    for i, src in enumerate(srcs):
-        cols[:, i] = src
+    tmp = np.empty((3, min(m, _BLOCK)), dtype=np.uint8)
+    for lo in range(0, m, _BLOCK):
+        hi = min(m, lo + _BLOCK)
+        blk = cols[lo:hi]
+        for i in range(k - 2 if transform == EXPONENT else k):
+            blk[:, i] = srcs[i][lo:hi]
+        if transform == EXPONENT:
+            e, s = srcs[k - 1][lo:hi], srcs[k - 2][lo:hi]
+            top, low, t = tmp[0, : hi - lo], tmp[1, : hi - lo], tmp[2, : hi - lo]
+            np.bitwise_and(s, 0x80, out=top)              # T = e >> 1 | sign
+            np.right_shift(e, 1, out=t)
+            top |= t
+            np.bitwise_and(e, 1, out=low)                 # U = (e & 1) << 7 | s & 0x7F
+            np.multiply(low, 0x80, out=low)               # (a uint8 multiply: faster than numpy's uint8 shift)
+            np.bitwise_and(s, 0x7F, out=t)
+            low |= t
+            blk[:, k - 2] = low
+            blk[:, k - 1] = top
 
 
 def _compress_planes(buf: np.ndarray, body: np.ndarray, pos: int, transform: int):

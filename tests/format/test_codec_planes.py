@@ -294,7 +294,7 @@ def _floats(n: int, seed: int = 0, k: int = 4) -> bytes:
     return x.tobytes()[:n]
 
 
-SIZES = [0, 1, 3, 8, 1023, 4097, 4 * 4096 + 5, 70_001, 300_003]
+SIZES = [0, 1, 3, 8, 1023, 4097, 4 * 4096 + 5, 70_001, 300_003, 8 * 2 ** 17 + 3]     # the last: several blocks at k = 8
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
