@@ -60,8 +60,11 @@ _HEADER = struct.Struct("<4sBBBBQ")
 _PLANE = struct.Struct("<BQ")
 RAW, ZSTD = 0, 1
 SIZES = (1, 2, 4, 8)                # element sizes a frame may name
-_SAMPLE = 16 << 10                  # bytes per sample piece; 4 pieces are tried before a whole plane
+_SAMPLE = 16 << 10                  # bytes per piece of sample() (zstd chunks are tried on 4 before compressing)
 MIN_GAIN = 0.97                     # a plane (and the frame) is kept compressed only at <= 97% of its raw size
+_HIST_SAMPLE = 1 << 10              # bytes per piece of the sample whose byte histogram decides (may_pay)
+_CODER_BYTES = 64                   # a zstd frame's header + a Huffman table, about (bytes)
+_DCTX_READ = 1 << 20
 _PARAMS = zstandard.ZstdCompressionParameters.from_level(1, window_log=15, hash_log=8, min_match=7,
                                                          write_content_size=1, write_checksum=0)
 try:                                # zstd's C API through python-zstandard's cffi backend (needs the cffi package)
@@ -109,15 +112,13 @@ def _compress_plane(plane: np.ndarray, limit: int, runs: bool = False) -> Option
         packed = zstandard.ZstdCompressor(compression_params=_PARAMS).compress(plane)
         return packed if len(packed) <= limit else None
     dst = np.empty(max(limit, 1), dtype=np.uint8)
-    r = _lib.ZSTD_compress2(_c_ctx("r" if runs else "c"), _ffi.from_buffer(dst), limit, _ffi.from_buffer(plane), plane.size)
+    r = _lib.ZSTD_compress2(_c_ctx("r" if runs else "c"), _ffi.from_buffer(dst), limit, _ffi.from_buffer(plane),
+                            plane.size)
     if _lib.ZSTD_isError(r):
         if _lib.ZSTD_getErrorCode(r) == _lib.ZSTD_error_dstSize_tooSmall:
             return None
         raise RuntimeError(f"zstd: {_ffi.string(_lib.ZSTD_getErrorName(r)).decode()}")
     return dst[:r]
-_DCTX_READ = 1 << 20
-_HIST_SAMPLE = 1 << 10               # bytes per piece of the sample whose histogram decides
-_CODER_BYTES = 64                    # a zstd frame's header + a Huffman table, about (bytes)
 
 
 class FrameError(ValueError):
