@@ -64,6 +64,7 @@ _SAMPLE = 16 << 10                  # bytes per piece of sample() (zstd chunks a
 MIN_GAIN = 0.97                     # a plane (and the frame) is kept compressed only at <= 97% of its raw size
 _HIST_SAMPLE = 1 << 10              # bytes per piece of the sample whose byte histogram decides (may_pay)
 _CODER_BYTES = 64                   # a zstd frame's header + a Huffman table, about (bytes)
+_RUNS_ONLY = 2                      # may_pay's mark of a plane >= 90% one value: the full match search alone
 _DCTX_READ = 1 << 20
 _PARAMS = zstandard.ZstdCompressionParameters.from_level(1, window_log=15, hash_log=8, min_match=7,
                                                          write_content_size=1, write_checksum=0)
@@ -147,8 +148,9 @@ _XLOG2 = np.arange(4 * _HIST_SAMPLE + 1) * np.log2(np.maximum(np.arange(4 * _HIS
 def may_pay(planes: np.ndarray):
     """For each row of ``planes`` (uint8, ``k`` x ``m``, ``m`` > 0): whether it could be stored in <=
     :data:`MIN_GAIN` of its size by an order-0 entropy coder (zstd's Huffman-coded literals, counting
-    :data:`_CODER_BYTES` for the coder's table and frame), and whether it is mostly (> half) one byte value; two
-    boolean arrays, by the byte histogram of the row or, above 4 KiB, of a sample (4 pieces of 1 KiB spread over
+    :data:`_CODER_BYTES` for the coder's table and frame; booleans), and how much of it is one byte value (integers:
+    0 under half, 1 over half, :data:`_RUNS_ONLY` from 90%, where Huffman's floor of 1 bit per byte leaves the
+    match search the better coder: a delta's top planes); by the byte histogram of the row or, above 4 KiB, of a sample (4 pieces of 1 KiB spread over
     it); one ``bincount`` for all rows. A plane of near-uniform bytes (a float's low mantissa bytes: 7.99 bits
     each) has nothing for zstd to find; this costs a few microseconds where compressing a 64 KiB sample cost
     40-250 (measured here)."""
@@ -163,7 +165,8 @@ def may_pay(planes: np.ndarray):
     idx += (np.arange(k, dtype=np.intp) * 256)[:, None]
     c = np.bincount(idx.ravel(), minlength=256 * k).reshape(k, 256)
     bits = _XLOG2[n] - _XLOG2[c].sum(axis=1)                # n H: the sample's order-0 information
-    return bits / 8 + _CODER_BYTES * n / m <= MIN_GAIN * n, c.max(axis=1) * 2 > n
+    top = c.max(axis=1)
+    return bits / 8 + _CODER_BYTES * n / m <= MIN_GAIN * n, (top * 2 > n) + (top * 10 >= 9 * n) * 1
 
 
 _BLOCK = 1 << 16                    # elements per block of the split / merge: the block's bytes stay in cache
@@ -241,7 +244,7 @@ def _compress_planes(buf: np.ndarray, body: np.ndarray, pos: int, transform: int
         method, stored = RAW, m
         if m:
             if tries[i]:
-                packed = _compress_plane(plane, int(MIN_GAIN * m))
+                packed = None if runs[i] == _RUNS_ONLY else _compress_plane(plane, int(MIN_GAIN * m))
                 if runs[i]:                               # runs or few values: the full search may do better
                     other = _compress_plane(plane, int(MIN_GAIN * m), True)
                     if other is not None and (packed is None or len(other) < len(packed)):
