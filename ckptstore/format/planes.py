@@ -20,8 +20,8 @@ per plane of the elements read ``i`` bytes on (an unaligned integer view), writt
 a few uint8 operations for the regrouping (:func:`_split_into`); zstd is called through its C API (python-zstandard's
 cffi backend) with literals always Huffman-coded and the fast strategy's match search skipping ahead
 (:data:`_C_PARAMS`), so it spends its time on Huffman coding, not on the matches a byte plane hardly has: 2x
-faster than level 1 with a small hash table, and 1-3% smaller; a plane mostly of one value is also tried with the
-full search (runs are matches) and the smaller kept. Decoding is one ``ZSTD_decompressDCtx`` per zstd plane into a
+faster than level 1 with a small hash table, and 1-3% smaller; a plane over half one value is also tried with the
+full search (runs are matches) and the smaller kept, one of 90% or more only with it. Decoding is one ``ZSTD_decompressDCtx`` per zstd plane into a
 buffer of its exact length, then the top planes regrouped in uint8 and one strided byte copy per plane
 (:func:`_merge_into`). Where cffi is missing, python-zstandard's own API codes the planes (the same frames,
 compressed with ``_PARAMS``: level 1, 32 KiB window, 256-entry hash table, 7-byte matches, about half as fast).
