@@ -23,8 +23,9 @@ cffi backend) with literals always Huffman-coded and the fast strategy's match s
 faster than level 1 with a small hash table, and 1-3% smaller; a plane over half one value is also tried with the
 full search (runs are matches) and the smaller kept, one of 90% or more only with it. Decoding is one
 ``ZSTD_decompressDCtx`` per zstd plane into a buffer of its exact length, then the top planes regrouped in uint8
-and one strided byte copy per plane (:func:`_merge_into`). Where cffi is missing, python-zstandard's own API codes the planes (the same frames,
-compressed with ``_PARAMS``: level 1, 32 KiB window, 256-entry hash table, 7-byte matches, about half as fast).
+and one strided byte copy per plane (:func:`_merge_into`). Where cffi is missing, python-zstandard's own API
+codes the planes (the same frames, compressed with ``_PARAMS``: level 1, 32 KiB window, 256-entry hash table,
+7-byte matches, about half as fast).
 
 Frame (all integers little-endian; FORMAT.md "The planes codec")::
 
@@ -151,9 +152,9 @@ def may_pay(planes: np.ndarray):
     :data:`_CODER_BYTES` for the coder's table and frame; booleans), and how much of it is one byte value (integers:
     0 under half, 1 over half, :data:`_RUNS_ONLY` from 90%, where Huffman's floor of 1 bit per byte leaves the
     match search the better coder: a delta's top planes); by the byte histogram of the row or, above 4 KiB, of a
-    sample (4 pieces of 1 KiB spread over it); one ``bincount`` for all rows. A plane of near-uniform bytes (a float's low mantissa bytes: 7.99 bits
-    each) has nothing for zstd to find; this costs a few microseconds where compressing a 64 KiB sample cost
-    40-250 (measured here)."""
+    sample (4 pieces of 1 KiB spread over it); one ``bincount`` for all rows. A plane of near-uniform bytes (a
+    float's low mantissa bytes: 7.99 bits each) has nothing for zstd to find; this costs a few microseconds where
+    compressing a 64 KiB sample cost 40-250 (measured here)."""
     k, m = planes.shape
     if m <= 4 * _HIST_SAMPLE:
         s = planes
