@@ -69,10 +69,6 @@ _RUNS_ONLY = 2                      # may_pay's mark of a plane >= 90% one value
 _DCTX_READ = 1 << 20
 _PARAMS = zstandard.ZstdCompressionParameters.from_level(1, window_log=15, hash_log=8, min_match=7,
                                                          write_content_size=1, write_checksum=0)
-try:                                # zstd's C API through python-zstandard's cffi backend (needs the cffi package)
-    from zstandard.backend_cffi import ffi as _ffi, lib as _lib
-except ImportError:                 # pragma: no cover (then python-zstandard's own API with _PARAMS)
-    _ffi = _lib = None
 #: The plane coder's parameters, where zstd's C API is reachable: literals always Huffman-coded
 #: (``ZSTD_c_literalCompressionMode``, which python-zstandard's API does not expose) and the fast strategy's match
 #: search skipping ahead (``targetLength`` 4096), so zstd spends its time on Huffman coding, not on looking for
@@ -87,6 +83,13 @@ _C_PARAMS = (("strategy", 1), ("windowLog", 15), ("hashLog", 6), ("chainLog", 6)
 #: part (it stores the planes of an embedding's Adam moments with unused rows 8% larger, measured here), while
 #: a plane of few values without runs (a LayerNorm weight's exponents) is 2x smaller as Huffman literals alone.
 _C_PARAMS_RUNS = tuple((name, {"targetLength": 0, "hashLog": 8}.get(name, value)) for name, value in _C_PARAMS)
+try:                                # zstd's C API through python-zstandard's cffi backend (needs the cffi package)
+    from zstandard.backend_cffi import ffi as _ffi, lib as _lib
+    for _name, _ in _C_PARAMS:      # an older zstandard may lack a parameter: then its own API, as without cffi
+        getattr(_lib, "ZSTD_c_" + _name)
+    _lib.ZSTD_error_dstSize_tooSmall
+except (ImportError, AttributeError):   # pragma: no cover (then python-zstandard's own API with _PARAMS)
+    _ffi = _lib = None
 _local = threading.local()          # zstd contexts per thread (a context is not thread-safe)
 
 
