@@ -125,10 +125,12 @@ def _close(buf: mmap.mmap) -> None:
 
 
 def write_pack(storage, chunks: Sequence[tuple], *, codec: str, level: int,
-               buffers: PackBuffers) -> Tuple[List[ChunkRef], int]:
+               buffers: PackBuffers, encoded: Optional[Sequence[tuple]] = None) -> Tuple[List[ChunkRef], int]:
     """Assemble ``chunks`` (``(chunk id, raw bytes)`` or ``(chunk id, raw bytes, float element size or None)``,
     ids already computed) into one pack and store it (create-only: an identical pack already present is not
-    written again). Each chunk is encoded as :func:`~ckptstore.format.blobs.encode_chunk` chooses for ``codec``.
+    written again). Each chunk is encoded as :func:`~ckptstore.format.blobs.encode_chunk` chooses for ``codec``,
+    unless ``encoded`` gives its ``(codec used, stored bytes)`` already (in the same order: the writer encodes
+    the chunks of a pack in parallel, ahead of its write).
 
     Returns the chunks' references (in order) and the bytes written (0 when the pack existed). The caller makes
     the pack durable (``storage.sync``) before a manifest names it. Raises ``OSError`` from the storage.
@@ -140,9 +142,12 @@ def write_pack(storage, chunks: Sequence[tuple], *, codec: str, level: int,
     try:
         placed = []
         off = 0
-        for chunk_id, view, *itemsize in chunks:
+        for i, (chunk_id, view, *itemsize) in enumerate(chunks):
             n = len(view)
-            used, payload = encode_chunk(view, codec, level, itemsize[0] if itemsize else None)
+            if encoded is not None:
+                used, payload = encoded[i]
+            else:
+                used, payload = encode_chunk(view, codec, level, itemsize[0] if itemsize else None)
             k = len(payload)
             mv[off: off + k] = payload
             placed.append((chunk_id, n, used, off, k))

@@ -12,11 +12,20 @@ holds the 8 bits after the sign (a bfloat16 / float32 exponent, the top 8 of a f
 sign and the 7 bits after those (transform 1: the same gain as rotating each element left by one bit, as ZipNN
 does, at a cost of a few passes over two planes instead of two over the whole chunk; +0.6% on fp32 weights,
 +1.5% on bfloat16 and Adam's second moment against no transform, measured here). Each plane is stored as one zstd
-frame or raw, whichever is smaller (a plane is first tried on a 64 KiB sample,
-so incompressible mantissa planes cost no compression pass). The zstd parameters (level 1, 32 KiB window,
-a 256-entry hash table, 7-byte minimum matches) leave nearly everything to zstd's Huffman literal coder: a byte
-plane has no long repeats, and fewer matches compressed the exponent plane better (3.13x vs 2.83x at level 1's
-defaults on fp32 weights; benchmarks/README.md "bench_codec.py").
+frame or raw, whichever is smaller; only planes whose sampled byte histogram (4 x 1 KiB) promises >= 3% are
+compressed at all (:func:`may_pay`), so incompressible mantissa planes cost a few microseconds.
+
+How it is fast (benchmarks/README.md "bench_codec.py" has the figures, per core): the split is one truncating cast
+per plane of the elements read ``i`` bytes on (an unaligned integer view), written straight into the frame, plus
+a few uint8 operations for the regrouping (:func:`_split_into`); zstd is called through its C API (python-zstandard's
+cffi backend) with literals always Huffman-coded and the fast strategy's match search skipping ahead
+(:data:`_C_PARAMS`), so it spends its time on Huffman coding, not on the matches a byte plane hardly has: 2x
+faster than level 1 with a small hash table, and 1-3% smaller; a plane over half one value is also tried with the
+full search (runs are matches) and the smaller kept, one of 90% or more only with it. Decoding is one
+``ZSTD_decompressDCtx`` per zstd plane into a buffer of its exact length, then the top planes regrouped in uint8
+and one strided byte copy per plane (:func:`_merge_into`). Where cffi is missing, python-zstandard's own API
+codes the planes (the same frames, compressed with ``_PARAMS``: level 1, 32 KiB window, 256-entry hash table,
+7-byte matches, about half as fast).
 
 Frame (all integers little-endian; FORMAT.md "The planes codec")::
 
@@ -31,13 +40,15 @@ Frame (all integers little-endian; FORMAT.md "The planes codec")::
                   then the planes' stored bytes in order (plane i holds n div k bytes raw), then the tail
 
 A reader (:func:`decode_into`) checks every field, that ``n`` is the length it expects (the manifest's), that
-the stored lengths add up to the frame's length exactly, and decodes each zstd plane bounded by its raw length
-(a plane claiming more is refused, nothing larger than the output is ever allocated). Any failure is a
+the stored lengths add up to the frame's length exactly, and decodes each zstd plane into a buffer of its raw
+length (zstd never writes past it: a plane holding more, or claiming more in its zstd header, is refused, and
+nothing is allocated by what a frame claims). Any failure is a
 :class:`FrameError` (a ``ValueError``). Checking what the bytes hash to is the caller's (the chunk's id).
 """
 from __future__ import annotations
 
 import struct
+import threading
 from typing import Optional
 
 import numpy as np
@@ -50,11 +61,69 @@ _HEADER = struct.Struct("<4sBBBBQ")
 _PLANE = struct.Struct("<BQ")
 RAW, ZSTD = 0, 1
 SIZES = (1, 2, 4, 8)                # element sizes a frame may name
-_SAMPLE = 16 << 10                  # bytes per sample piece; 4 pieces are tried before a whole plane
+_SAMPLE = 16 << 10                  # bytes per piece of sample() (zstd chunks are tried on 4 before compressing)
 MIN_GAIN = 0.97                     # a plane (and the frame) is kept compressed only at <= 97% of its raw size
+_HIST_SAMPLE = 1 << 10              # bytes per piece of the sample whose byte histogram decides (may_pay)
+_CODER_BYTES = 64                   # a zstd frame's header + a Huffman table, about (bytes)
+_RUNS_ONLY = 2                      # may_pay's mark of a plane >= 90% one value: the full match search alone
+_DCTX_READ = 1 << 20
 _PARAMS = zstandard.ZstdCompressionParameters.from_level(1, window_log=15, hash_log=8, min_match=7,
                                                          write_content_size=1, write_checksum=0)
-_DCTX_READ = 1 << 20
+#: The plane coder's parameters, where zstd's C API is reachable: literals always Huffman-coded
+#: (``ZSTD_c_literalCompressionMode``, which python-zstandard's API does not expose) and the fast strategy's match
+#: search skipping ahead (``targetLength`` 4096), so zstd spends its time on Huffman coding, not on looking for
+#: matches a byte plane hardly has: 2x faster than ``_PARAMS`` on exponent planes and 1-3% smaller (measured here,
+#: benchmarks/README.md "bench_codec.py"). 32 KiB blocks (window 15): a Huffman table per 32 KiB follows the
+#: statistics along a tensor (Adam's second moment gains 1.7% over 128 KiB blocks).
+_C_PARAMS = (("strategy", 1), ("windowLog", 15), ("hashLog", 6), ("chainLog", 6), ("searchLog", 1),
+             ("minMatch", 7), ("targetLength", 4096), ("literalCompressionMode", 1), ("contentSizeFlag", 1),
+             ("checksumFlag", 0))
+#: For a plane whose sample is mostly one byte value, the full match search is tried too and the smaller frame
+#: kept: runs (a tensor's zero rows, a masked or unused region) are matches the skipping search above misses in
+#: part (it stores the planes of an embedding's Adam moments with unused rows 8% larger, measured here), while
+#: a plane of few values without runs (a LayerNorm weight's exponents) is 2x smaller as Huffman literals alone.
+_C_PARAMS_RUNS = tuple((name, {"targetLength": 0, "hashLog": 8}.get(name, value)) for name, value in _C_PARAMS)
+try:                                # zstd's C API through python-zstandard's cffi backend (needs the cffi package)
+    from zstandard.backend_cffi import ffi as _ffi, lib as _lib
+    for _name, _ in _C_PARAMS:      # an older zstandard may lack a parameter: then its own API, as without cffi
+        getattr(_lib, "ZSTD_c_" + _name)
+    _lib.ZSTD_error_dstSize_tooSmall
+except (ImportError, AttributeError):   # pragma: no cover (then python-zstandard's own API with _PARAMS)
+    _ffi = _lib = None
+_local = threading.local()          # zstd contexts per thread (a context is not thread-safe)
+
+
+def _c_ctx(kind: str):
+    """This thread's zstd context (C API): compression with :data:`_C_PARAMS` (``"c"``) or
+    :data:`_C_PARAMS_RUNS` (``"r"``), or decompression (``"d"``)."""
+    ctx = getattr(_local, kind, None)
+    if ctx is None:
+        if kind in "cr":
+            ctx = _ffi.gc(_lib.ZSTD_createCCtx(), _lib.ZSTD_freeCCtx)
+            for name, value in (_C_PARAMS if kind == "c" else _C_PARAMS_RUNS):
+                r = _lib.ZSTD_CCtx_setParameter(ctx, getattr(_lib, "ZSTD_c_" + name), value)
+                if _lib.ZSTD_isError(r):
+                    raise RuntimeError(f"zstd refused {name}={value}: {_ffi.string(_lib.ZSTD_getErrorName(r))}")
+        else:
+            ctx = _ffi.gc(_lib.ZSTD_createDCtx(), _lib.ZSTD_freeDCtx)
+        setattr(_local, kind, ctx)
+    return ctx
+
+
+def _compress_plane(plane: np.ndarray, limit: int, runs: bool = False) -> Optional[np.ndarray]:
+    """``plane`` as one zstd frame when it fits in ``limit`` bytes, else ``None``; ``runs``: with the full match
+    search (:data:`_C_PARAMS_RUNS`)."""
+    if _lib is None:
+        packed = zstandard.ZstdCompressor(compression_params=_PARAMS).compress(plane)
+        return packed if len(packed) <= limit else None
+    dst = np.empty(max(limit, 1), dtype=np.uint8)
+    r = _lib.ZSTD_compress2(_c_ctx("r" if runs else "c"), _ffi.from_buffer(dst), limit, _ffi.from_buffer(plane),
+                            plane.size)
+    if _lib.ZSTD_isError(r):
+        if _lib.ZSTD_getErrorCode(r) == _lib.ZSTD_error_dstSize_tooSmall:
+            return None
+        raise RuntimeError(f"zstd: {_ffi.string(_lib.ZSTD_getErrorName(r)).decode()}")
+    return dst[:r]
 
 
 class FrameError(ValueError):
@@ -65,63 +134,167 @@ def header_size(itemsize: int) -> int:
     return _HEADER.size + _PLANE.size * itemsize
 
 
-def sample(plane: np.ndarray) -> np.ndarray:
-    """At most 64 KiB of ``plane`` (uint8): 4 pieces of 16 KiB spread over it, or all of it when smaller."""
-    if plane.size <= 4 * _SAMPLE:
+def sample(plane: np.ndarray, piece: int = _SAMPLE) -> np.ndarray:
+    """At most ``4 * piece`` bytes of ``plane`` (uint8; 64 KiB by default): 4 pieces spread over it, or all of it
+    when smaller."""
+    if plane.size <= 4 * piece:
         return plane
     step = plane.size // 4
-    return np.concatenate([plane[i * step: i * step + _SAMPLE] for i in range(4)])
+    return np.concatenate([plane[i * step: i * step + piece] for i in range(4)])
 
 
-def _to_exponent_planes(hi: np.ndarray, lo: np.ndarray):
-    """The top two byte planes of floats -> (exponent plane, sign + next 7 bits): the exponent's last bit moves
-    from the top of ``lo`` to the bottom of ``hi``, the sign from the top of ``hi`` to the top of ``lo``."""
-    e = np.left_shift(hi, 1)
-    e |= lo >> 7
-    s = lo & 0x7F
-    s |= hi & 0x80
-    return e, s
+_UINT = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
 
-def _from_exponent_planes(e: np.ndarray, s: np.ndarray):
-    """The inverse of :func:`_to_exponent_planes`: -> (top plane, next plane)."""
-    hi = e >> 1
-    hi |= s & 0x80
-    lo = np.left_shift(e & 1, 7)
-    lo |= s & 0x7F
-    return hi, lo
+_XLOG2 = np.arange(4 * _HIST_SAMPLE + 1) * np.log2(np.maximum(np.arange(4 * _HIST_SAMPLE + 1), 1))  # c log2 c
 
 
-def encode(data, itemsize: int, *, transform: int = EXPONENT) -> bytes:
-    """The frame of ``data`` (a bytes-like object of any length) as ``itemsize``-byte elements (1, 2, 4, 8).
-    Always returns a frame (it may be larger than ``data``: the caller keeps raw bytes when it does not pay).
-    ``transform``: :data:`EXPONENT` for floats (the exponent fills the top plane), :data:`NONE` otherwise."""
+def may_pay(planes: np.ndarray):
+    """For each row of ``planes`` (uint8, ``k`` x ``m``, ``m`` > 0): whether it could be stored in <=
+    :data:`MIN_GAIN` of its size by an order-0 entropy coder (zstd's Huffman-coded literals, counting
+    :data:`_CODER_BYTES` for the coder's table and frame; booleans), and how much of it is one byte value (integers:
+    0 under half, 1 over half, :data:`_RUNS_ONLY` from 90%, where Huffman's floor of 1 bit per byte leaves the
+    match search the better coder: a delta's top planes); by the byte histogram of the row or, above 4 KiB, of a
+    sample (4 pieces of 1 KiB spread over it); one ``bincount`` for all rows. A plane of near-uniform bytes (a
+    float's low mantissa bytes: 7.99 bits each) has nothing for zstd to find; this costs a few microseconds where
+    compressing a 64 KiB sample cost 40-250 (measured here)."""
+    k, m = planes.shape
+    if m <= 4 * _HIST_SAMPLE:
+        s = planes
+    else:
+        step = m // 4
+        s = np.concatenate([planes[:, i * step: i * step + _HIST_SAMPLE] for i in range(4)], axis=1)
+    n = s.shape[1]
+    idx = s.astype(np.intp)
+    idx += (np.arange(k, dtype=np.intp) * 256)[:, None]
+    c = np.bincount(idx.ravel(), minlength=256 * k).reshape(k, 256)
+    bits = _XLOG2[n] - _XLOG2[c].sum(axis=1)                # n H: the sample's order-0 information
+    top = c.max(axis=1)
+    return bits / 8 + _CODER_BYTES * n / m <= MIN_GAIN * n, (top * 2 > n) + (top * 10 >= 9 * n) * 1
+
+
+_BLOCK = 1 << 16                    # elements per block of the split / merge: the block's bytes stay in cache
+
+
+def _split_into(planes: np.ndarray, a: np.ndarray, k: int, transform: int) -> None:
+    """Write the ``k`` byte planes of the ``m`` elements ``a`` (uint8, ``m * k`` bytes) into the rows of
+    ``planes`` (uint8, ``k`` x ``m``), regrouping the top two for :data:`EXPONENT`. Plane ``i`` is a truncating
+    cast of the elements read ``i`` bytes further on (an unaligned integer view; no strided byte copies), the
+    regrouping a few uint8 operations; in blocks of :data:`_BLOCK` elements, so the source is read from memory
+    once, not once per plane."""
+    m = planes.shape[1]
+    u = _UINT[k]
+    tmp = np.empty((2, min(m, _BLOCK)), dtype=np.uint8)
+    for lo in range(0, m, _BLOCK):
+        hi = min(m, lo + _BLOCK)
+        np.copyto(planes[0, lo:hi], a[lo * k: hi * k].view(u), casting="unsafe")
+        last = hi - 1 if hi == m else hi                  # the array's last element is read alone (no bytes after it)
+        for i in range(1, k):
+            if last > lo:
+                np.copyto(planes[i, lo:last], np.ndarray((last - lo,), dtype=u, buffer=a, offset=lo * k + i),
+                          casting="unsafe")
+            if last < hi:
+                planes[i, last] = a[last * k + i]
+        if transform == EXPONENT:
+            e, s = planes[k - 1, lo:hi], planes[k - 2, lo:hi]   # hold T (top byte) and U (the byte below) now
+            t, v = tmp[0, : hi - lo], tmp[1, : hi - lo]
+            np.copyto(t, e)
+            np.add(t, t, out=e)                           # T << 1 (uint8 addition wraps; faster than a shift)
+            np.right_shift(s, 7, out=v)
+            e |= v
+            s &= 0x7F
+            t &= 0x80
+            s |= t
+
+
+def _merge_into(out: np.ndarray, srcs, k: int, transform: int) -> None:
+    """The inverse of :func:`_split_into`: the elements from their ``k`` planes (``srcs``, uint8 arrays of ``m``
+    bytes) into ``out`` (uint8, ``m * k`` bytes): the top two planes regrouped back, then one strided byte copy per
+    plane (numpy's strided copy beat widening casts + shifts + ORs here), in blocks of :data:`_BLOCK` elements
+    so that a block of ``out`` stays in cache while its ``k`` columns are written."""
+    m = len(srcs[0])
+    cols = out.reshape(m, k)
+    tmp = np.empty((3, min(m, _BLOCK)), dtype=np.uint8)
+    for lo in range(0, m, _BLOCK):
+        hi = min(m, lo + _BLOCK)
+        blk = cols[lo:hi]
+        for i in range(k - 2 if transform == EXPONENT else k):
+            blk[:, i] = srcs[i][lo:hi]
+        if transform == EXPONENT:
+            e, s = srcs[k - 1][lo:hi], srcs[k - 2][lo:hi]
+            top, low, t = tmp[0, : hi - lo], tmp[1, : hi - lo], tmp[2, : hi - lo]
+            np.bitwise_and(s, 0x80, out=top)              # T = e >> 1 | sign
+            np.right_shift(e, 1, out=t)
+            top |= t
+            np.bitwise_and(e, 1, out=low)                 # U = (e & 1) << 7 | s & 0x7F
+            np.multiply(low, 0x80, out=low)               # (a uint8 multiply: faster than numpy's uint8 shift)
+            np.bitwise_and(s, 0x7F, out=t)
+            low |= t
+            blk[:, k - 2] = low
+            blk[:, k - 1] = top
+
+
+def _compress_planes(buf: np.ndarray, body: np.ndarray, pos: int, transform: int):
+    """Compress, in place, the planes (rows of ``body``, a view of ``buf`` from ``pos``) that pay: each stored as
+    zstd or raw, the later ones moved down over what compression saved. Returns (plane headers, end)."""
+    k, m = body.shape
+    start, heads = pos, []
+    if m and m <= 4 * _HIST_SAMPLE and transform == EXPONENT:
+        tries = runs = [i >= k - 2 for i in range(k)]     # small floats: the top two planes, both searches
+    else:                                                 # (a histogram costs more than compressing them)
+        tries, runs = may_pay(body) if m else (None, None)
+    for i in range(k):
+        plane = body[i]
+        method, stored = RAW, m
+        if m:
+            if tries[i]:
+                packed = None if runs[i] == _RUNS_ONLY else _compress_plane(plane, int(MIN_GAIN * m))
+                if runs[i]:                               # runs or few values: the full search may do better
+                    other = _compress_plane(plane, int(MIN_GAIN * m), True)
+                    if other is not None and (packed is None or len(other) < len(packed)):
+                        packed = other
+                if packed is not None:
+                    method, stored = ZSTD, len(packed)
+                    buf[pos: pos + stored] = np.frombuffer(packed, dtype=np.uint8)
+        if method == RAW and pos != start + i * m:
+            buf[pos: pos + m] = plane                     # numpy copies overlapping ranges correctly
+        heads.append(_PLANE.pack(method, stored))
+        pos += stored
+    return heads, pos
+
+
+def encode(data, itemsize: int, *, transform: int = EXPONENT) -> bytearray:
+    """The frame of ``data`` (a bytes-like object of any length) as ``itemsize``-byte elements (1, 2, 4, 8), as
+    a ``bytearray``. Always returns a frame (it may be larger than ``data``: the caller keeps raw bytes when it
+    does not pay). ``transform``: :data:`EXPONENT` for floats (the exponent fills the top plane), :data:`NONE`
+    otherwise. Raises ``ValueError`` for another element size or transform.
+
+    The planes are written straight into the frame at their raw places; a plane that compresses is replaced by
+    its zstd frame and the planes after it move down, so a chunk is copied once (its planes) besides zstd."""
     if itemsize not in SIZES or transform not in (NONE, EXPONENT):
         raise ValueError(f"planes: element size {itemsize!r} / transform {transform!r} not supported")
-    if itemsize == 1:
+    k = itemsize
+    if k == 1:
         transform = NONE                 # one plane: nothing to regroup
     a = np.frombuffer(data, dtype=np.uint8)
     n = a.size
-    m = n // itemsize
-    planes = a[: m * itemsize].reshape(m, itemsize).T.copy() if itemsize > 1 else a[:m].reshape(1, m)
-    if transform == EXPONENT and m:
-        planes[-1], planes[-2] = _to_exponent_planes(planes[-1], planes[-2])
-    cctx = zstandard.ZstdCompressor(compression_params=_PARAMS)
-    heads, parts = [], []
-    for plane in planes:
-        method, stored = RAW, plane
-        if m:
-            s = sample(plane)
-            packed = cctx.compress(s)
-            if len(packed) <= MIN_GAIN * s.size:
-                if s.size < m:                   # the sample was a part: compress the whole plane
-                    packed = cctx.compress(plane)
-                if len(packed) <= MIN_GAIN * m:
-                    method, stored = ZSTD, packed
-        heads.append(_PLANE.pack(method, len(stored)))
-        parts.append(stored)
-    head = _HEADER.pack(MAGIC, VERSION, transform, itemsize, itemsize, n)
-    return b"".join([head, *heads, *parts, a[m * itemsize:]])
+    m = n // k
+    hs = header_size(k)
+    frame = bytearray(hs + n)
+    buf = np.frombuffer(frame, dtype=np.uint8)
+    body = buf[hs: hs + m * k].reshape(k, m)
+    if k == 1:
+        body[0] = a[:m]
+    elif m:
+        _split_into(body, a[: m * k], k, transform)
+    heads, pos = _compress_planes(buf, body, hs, transform)
+    tail = n - m * k
+    if tail:
+        buf[pos: pos + tail] = a[m * k:]
+    frame[: hs] = _HEADER.pack(MAGIC, VERSION, transform, k, k, n) + b"".join(heads)
+    del buf, body                       # no view of the frame may stay for it to shrink
+    del frame[pos + tail:]
+    return frame
 
 
 def parse_header(frame) -> tuple:
@@ -175,7 +348,18 @@ def zstd_into(payload, out: memoryview) -> int:
 
 
 def _zstd_into(payload, out: memoryview) -> int:
-    """:func:`zstd_into` of one plane, its failures as :class:`FrameError`."""
+    """:func:`zstd_into` of one plane, its failures as :class:`FrameError`. Through zstd's C API where reachable:
+    one ``ZSTD_decompressDCtx`` into ``out`` (it writes at most ``len(out)`` bytes and allocates nothing by what
+    the frame claims; a frame holding more fails with ``dstSize_tooSmall``)."""
+    if _lib is not None:
+        dst = np.frombuffer(out, dtype=np.uint8)
+        r = _lib.ZSTD_decompressDCtx(_c_ctx("d"), _ffi.from_buffer(dst), dst.size, _ffi.from_buffer(payload),
+                                     len(payload))
+        if not _lib.ZSTD_isError(r):
+            return r
+        if _lib.ZSTD_getErrorCode(r) == _lib.ZSTD_error_dstSize_tooSmall:
+            raise FrameError(f"planes frame: a plane holds more than its {len(out)} bytes")
+        raise FrameError(f"planes frame: a plane does not decode ({_ffi.string(_lib.ZSTD_getErrorName(r)).decode()})")
     try:
         return zstd_into(payload, out)
     except zstandard.ZstdError as e:
@@ -187,8 +371,9 @@ def _zstd_into(payload, out: memoryview) -> int:
 def decode_into(frame, out: memoryview) -> None:
     """Decode ``frame`` into ``out``, which must be exactly the raw length the frame is expected to hold (the
     manifest's ``nbytes``). Raises :class:`FrameError` when the header is damaged, claims another length, the
-    planes' stored lengths do not add up to the frame, or a plane does not decode to its length. Allocates
-    at most ``len(out)`` bytes besides ``out``."""
+    planes' stored lengths do not add up to the frame, or a plane does not decode to its length. Allocates,
+    besides ``out``, its zstd planes (at most ``len(out)`` bytes together) and, for floats, three temporaries of
+    one plane (``len(out) / k`` bytes each); never anything by what the frame claims."""
     mv = memoryview(frame)
     transform, k, n, planes, pos = parse_header(mv)
     if n != len(out):
@@ -213,15 +398,11 @@ def decode_into(frame, out: memoryview) -> None:
             src = plane
         srcs.append(src)
         pos += stored
-    if m and transform == EXPONENT:
-        srcs[-1], srcs[-2] = _from_exponent_planes(srcs[-1], srcs[-2])
     if k == 1:
         if planes[0][0] == RAW:
             o[:m] = srcs[0]
     elif m:
-        cols = o[: m * k].reshape(m, k)
-        for i, src in enumerate(srcs):
-            cols[:, i] = src
+        _merge_into(o[: m * k], srcs, k, transform)
     if tail:
         o[m * k:] = np.frombuffer(mv[pos:], dtype=np.uint8)
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Executor
+from concurrent.futures import Executor, wait
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from ..format.blobs import BlobStore, digest_bytes
+from ..format.blobs import BlobStore, digest_bytes, encode_chunk
 from ..format.index import ChunkIndex
 from ..format.manifest import ChunkRef
 from ..format.packs import PackBuffers, Packing, plan_packs, write_pack
@@ -48,6 +48,7 @@ def chunk_ranges(nbytes: int, chunk_size: int):
 
 
 _HASH_BATCH_BYTES = 4 << 20           # small chunks are hashed in batches: one task per ~4 MiB, not per chunk
+_ENCODE_BATCH_BYTES = 1 << 20         # and encoded (a codec) in batches of ~1 MiB: ~1-2 ms of work per task
 
 
 def write_arrays(blobs: BlobStore, specs: List[ArraySpec], *, chunk_size: int, codec: str, level: int,
@@ -164,19 +165,30 @@ def write_arrays(blobs: BlobStore, specs: List[ArraySpec], *, chunk_size: int, c
     return out, stats
 
 
-def _pack_small(small, results, blobs, index, packing, buffers, codec, level, executor, hash_batch, account):
-    """Hash the small chunks (batched), reuse those the store has, pack the rest; fill ``results`` in place."""
-    views = [v for _, _, v, _ in small]
+def _batches(items: list, size, limit: int = _HASH_BATCH_BYTES) -> List[list]:
+    """``items`` in consecutive batches of about ``limit`` bytes (``size(item)`` bytes each)."""
     batches, cur, cur_bytes = [], [], 0
-    for v in views:
-        cur.append(v)
-        cur_bytes += len(v)
-        if cur_bytes >= _HASH_BATCH_BYTES:
+    for it in items:
+        cur.append(it)
+        cur_bytes += size(it)
+        if cur_bytes >= limit:
             batches.append(cur)
             cur, cur_bytes = [], 0
     if cur:
         batches.append(cur)
-    ids = [i for f in [executor.submit(hash_batch, b) for b in batches] for i in f.result()]
+    return batches
+
+
+def _pack_small(small, results, blobs, index, packing, buffers, codec, level, executor, hash_batch, account):
+    """Hash the small chunks (batched), reuse those the store has, pack the rest; fill ``results`` in place.
+
+    With a codec, the new chunks are encoded by the executor in batches of ~1 MiB, submitted before the pack
+    writes: a pack holds up to ``packing.target_size`` (64 MiB) of chunks, and encoding them inside its one write
+    task left every other worker idle (a state of small tensors is one pack: its whole encode ran on one core).
+    A pack write waits for its chunks' encodes; those were queued first (the pool runs tasks in order), so they
+    are running or done and the wait cannot deadlock."""
+    views = [v for _, _, v, _ in small]
+    ids = [i for f in [executor.submit(hash_batch, b) for b in _batches(views, len)] for i in f.result()]
     new: Dict[str, tuple] = {}                       # chunk id -> (bytes, float element size), first occurrence
     for (si, ci, v, itemsize), cid in zip(small, ids):
         have = index.get(cid) if index is not None else None
@@ -186,15 +198,30 @@ def _pack_small(small, results, blobs, index, packing, buffers, codec, level, ex
     if new:
         items = [(cid, v, itemsize) for cid, (v, itemsize) in new.items()]
         groups = plan_packs([len(v) for _, v, _ in items], packing.target_size)
+        encoding: Dict[int, tuple] = {}                  # item index -> (future of its batch, index in the batch)
+        if codec != "raw":
+            def encode_batch(batch):
+                t0 = time.perf_counter()
+                out = [encode_chunk(items[i][1], codec, level, items[i][2]) for i in batch]
+                account(0, 0.0, time.perf_counter() - t0)
+                return out
+            for batch in _batches(list(range(len(items))), lambda i: len(items[i][1]), _ENCODE_BATCH_BYTES):
+                f = executor.submit(encode_batch, batch)
+                encoding.update((i, (f, j)) for j, i in enumerate(batch))
 
         def one_pack(group):
+            encoded = [encoding[i][0].result()[encoding[i][1]] for i in group] if encoding else None
             t0 = time.perf_counter()
             refs, wrote = write_pack(blobs.storage, [items[i] for i in group], codec=codec, level=level,
-                                     buffers=buffers)
+                                     buffers=buffers, encoded=encoded)
             account(wrote, 0.0, time.perf_counter() - t0, len(group))
             return refs
-        for f in [executor.submit(one_pack, g) for g in groups]:
-            for r in f.result():
-                placed[r.blob_id] = r
+        packs = [executor.submit(one_pack, g) for g in groups]
+        try:
+            for f in packs:
+                for r in f.result():
+                    placed[r.blob_id] = r
+        finally:                                 # on an error too: no task may still touch the views after this
+            wait(packs + list({id(f): f for f, _ in encoding.values()}.values()))
     for (si, ci, v, _), cid in zip(small, ids):
         results[si][ci] = placed.get(cid) or index.get(cid)

@@ -236,3 +236,185 @@ def test_repack_keeps_planes_chunks_planes(tmp_path):
         assert r.packs_repacked >= 1 and 3 in r.steps_rewritten
         assert set().union(*codecs_of(s, 3).values()) == {"planes"}
         assert bits_equal(s.load(3), state_at(3)) and s.verify() == {3: None}
+
+
+# -- the frame as FORMAT.md specifies it (issue 30's speed work changed how planes are split, not the frame) -----
+def _spec_planes(data: bytes, k: int, transform: int):
+    """The planes of ``data`` as FORMAT.md "The planes codec" defines them, written the plain way (a transpose and
+    the transform's formula), and the tail."""
+    a = np.frombuffer(data, dtype=np.uint8)
+    m = len(a) // k
+    p = a[: m * k].reshape(m, k).T.copy()
+    if transform == planes.EXPONENT and k > 1 and m:
+        t, u = p[k - 1].copy(), p[k - 2].copy()
+        p[k - 1] = ((t.astype(np.uint16) << 1) | (u >> 7)) & 0xFF
+        p[k - 2] = (u & 0x7F) | (t & 0x80)
+    return p, bytes(a[m * k:])
+
+
+def _spec_frame(data: bytes, k: int, transform: int, compress=None) -> bytes:
+    """A version 1 frame written from the spec alone; ``compress(plane) -> bytes or None`` picks zstd planes."""
+    p, tail = _spec_planes(data, k, transform if k > 1 else planes.NONE)
+    heads, parts = [], []
+    for plane in p:
+        packed = compress(plane.tobytes()) if compress else None
+        heads.append(struct.pack("<BQ", 1 if packed else 0, len(packed) if packed else len(plane)))
+        parts.append(packed or plane.tobytes())
+    tr = transform if k > 1 else planes.NONE
+    return b"".join([struct.pack("<4sBBBBQ", b"CKPL", 1, tr, k, k, len(data)), *heads, *parts, tail])
+
+
+def _read_spec_frame(frame: bytes):
+    """Parse a frame by the spec with python-zstandard's own decoder: (transform, k, planes, tail)."""
+    import zstandard
+    magic, version, tr, k, nplanes, n = struct.unpack_from("<4sBBBBQ", frame, 0)
+    assert (magic, version, nplanes) == (b"CKPL", 1, k)
+    m, pos, out = n // k, 16 + 9 * k, []
+    for i in range(k):
+        method, stored = struct.unpack_from("<BQ", frame, 16 + 9 * i)
+        body = frame[pos: pos + stored]
+        out.append(np.frombuffer(zstandard.ZstdDecompressor().decompress(body) if method == 1 else body,
+                                 dtype=np.uint8))
+        assert len(out[-1]) == m
+        pos += stored
+    return tr, k, out, frame[pos:]
+
+
+def _floats(n: int, seed: int = 0, k: int = 4) -> bytes:
+    """``n`` bytes of trained-like floats of ``k`` bytes (some zero runs, NaNs with payloads, infinities)."""
+    g = np.random.default_rng(seed)
+    dt = {1: np.uint8, 2: np.float16, 4: np.float32, 8: np.float64}[k]
+    x = (g.standard_normal(n // k + 1) * 0.02).astype(dt) if k > 1 else g.integers(0, 16, n + 1, dtype=np.uint8)
+    if k > 1 and len(x) > 20:
+        x[5:15] = 0
+        bits = x.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[k])
+        bits[1] = np.iinfo(bits.dtype).max                      # a negative NaN with every payload bit set
+        bits[2] = bits[1] >> np.array(1, dtype=bits.dtype)      # a positive one
+        x[3], x[4] = np.inf, -np.inf
+    return x.tobytes()[:n]
+
+
+SIZES = [0, 1, 3, 8, 1023, 4097, 4 * 4096 + 5, 70_001, 300_003, 8 * 2 ** 17 + 3]     # the last: several blocks at k = 8
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("transform", [planes.NONE, planes.EXPONENT])
+def test_encode_writes_the_frame_the_spec_defines(k, transform):
+    """Every element size, odd lengths with tails, both transforms: the frame's planes (each decoded by
+    python-zstandard's plain decoder) are the spec's planes, and decode_into gives the bytes back bit for bit."""
+    for n in SIZES:
+        for data in (_floats(n, n, k), np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()):
+            frame = bytes(planes.encode(data, k, transform=transform))
+            tr, kk, got, tail = _read_spec_frame(frame)
+            want, want_tail = _spec_planes(data, k, tr)
+            assert kk == k and tr == (transform if k > 1 else planes.NONE)
+            assert tail == want_tail and all((g == w).all() for g, w in zip(got, want)), (k, transform, n)
+            out = bytearray(n)
+            planes.decode_into(frame, memoryview(out))
+            assert out == data
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_version_1_frames_of_the_first_encoder_still_decode(k):
+    """Frames written from the spec with python-zstandard's compressor (as the first planes encoder wrote them:
+    level 1, 32 KiB window, 7-byte matches), or with every plane raw, decode bit for bit."""
+    import zstandard
+    cctx = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters.from_level(
+        1, window_log=15, hash_log=8, min_match=7, write_content_size=1, write_checksum=0))
+    for n in SIZES:
+        data = _floats(n, n + 1, k)
+        for compress in (None, lambda b: cctx.compress(b) if b else None):
+            frame = _spec_frame(data, k, planes.EXPONENT, compress)
+            out = bytearray(n)
+            planes.decode_into(frame, memoryview(out))
+            assert out == data, (k, n)
+
+
+def test_frames_decode_the_same_through_either_zstd_binding(monkeypatch):
+    """Planes are coded through zstd's C API (cffi) where it is importable, else python-zstandard's API: frames
+    from either decode through the other, bit for bit."""
+    if planes._lib is None:
+        pytest.skip("zstandard's cffi backend is not importable here")
+    datas = [(_floats(n, n, k), k) for n in (4097, 300_003) for k in (2, 4, 8)]
+    c_frames = [bytes(planes.encode(d, k)) for d, k in datas]
+    monkeypatch.setattr(planes, "_lib", None)
+    py_frames = [bytes(planes.encode(d, k)) for d, k in datas]
+    for (d, k), f in zip(datas, c_frames):
+        out = bytearray(len(d))
+        planes.decode_into(f, memoryview(out))
+        assert out == d
+    monkeypatch.undo()
+    for (d, k), f in zip(datas, py_frames):
+        out = bytearray(len(d))
+        planes.decode_into(f, memoryview(out))
+        assert out == d
+
+
+def test_encoding_from_threads_gives_the_same_frames():
+    """Each thread has its own zstd contexts: frames encoded by 4 threads at once equal those encoded alone."""
+    from concurrent.futures import ThreadPoolExecutor
+    datas = [_floats(200_000 + i, i) for i in range(16)]
+    alone = [bytes(planes.encode(d, 4)) for d in datas]
+    with ThreadPoolExecutor(4) as ex:
+        assert [bytes(f) for f in ex.map(lambda d: planes.encode(d, 4), datas)] == alone
+        outs = list(ex.map(lambda f: _decoded(f), alone))
+    assert outs == datas
+
+
+def _decoded(frame) -> bytes:
+    out = bytearray(planes.frame_nbytes(frame))
+    planes.decode_into(frame, memoryview(out))
+    return bytes(out)
+
+
+def test_hostile_zstd_planes_are_refused_without_allocating():
+    """A zstd plane that claims 64 GiB in its frame header, holds a second frame, is cut short, or decodes to
+    fewer bytes than the plane: a FrameError, and nothing larger than the output is allocated (the 64 GiB claim
+    would fail with MemoryError otherwise)."""
+    import zstandard
+    n = 4096
+    m = n // 4
+    z = zstandard.ZstdCompressor(level=1)
+    plane = bytes(range(256)) * (m // 256)
+    head = lambda stored: (struct.pack("<4sBBBBQ", b"CKPL", 1, 0, 4, 4, n)         # noqa: E731
+                           + struct.pack("<BQ", 0, m) * 3 + struct.pack("<BQ", 1, stored))
+    raw3 = plane * 3
+    claim = bytearray(z.compress(plane))
+    liar = zstandard.ZstdCompressor(level=1, write_content_size=False).compress(bytes(64 << 10))
+    cases = {
+        "two frames": (z.compress(plane) + z.compress(b"x"), "more than its|does not decode"),
+        "cut short": (bytes(claim[:-3]), "does not decode|fewer"),
+        "too few": (z.compress(plane[:-1]), "fewer"),
+        "no content size, too many": (liar, "more than its"),
+    }
+    for name, (payload, match) in cases.items():
+        with pytest.raises(planes.FrameError, match=match):
+            planes.decode_into(head(len(payload)) + raw3 + payload, memoryview(bytearray(n)))
+    # a frame header claiming 64 GiB (frame content size field patched): refused, not allocated
+    big = bytearray(zstandard.ZstdCompressor(level=1).compress(plane))
+    params = zstandard.get_frame_parameters(bytes(big))
+    assert params.content_size == m
+    fhd = big[4]
+    assert fhd >> 6 == 1 and fhd & 0x03 == 0                           # a 2-byte content size field, no dict id
+    start = 5 if fhd & 0x20 else 6                                      # single segment: no window descriptor
+    forged = big[:4] + bytes([fhd | 0xC0]) + big[5:start] + struct.pack("<Q", 64 << 30) + big[start + 2:]
+    assert zstandard.get_frame_parameters(bytes(forged)).content_size == 64 << 30
+    with pytest.raises(planes.FrameError):
+        planes.decode_into(head(len(forged)) + raw3 + bytes(forged), memoryview(bytearray(n)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.binary(min_size=1, max_size=600), size=st.integers(16_385, 40_000), k=st.sampled_from([2, 4, 8]),
+       fill=st.sampled_from([None, 0, 0x7F, 0xFF]), noise=st.booleans())
+def test_planes_round_trip_sampled_planes(seed, size, k, fill, noise):
+    """Chunks large enough for the sampled decision (a histogram per plane): any bytes (a pattern repeated,
+    or random), partly runs of one byte value: every NaN / inf / subnormal payload comes back bit for bit."""
+    data = (seed * (size // len(seed) + 1))[:size]
+    if noise:
+        data = np.random.default_rng(len(seed)).integers(0, 256, size, dtype=np.uint8).tobytes()
+    if fill is not None:
+        data = data[: len(data) // 2] + bytes([fill]) * (len(data) - len(data) // 2)
+    frame = planes.encode(data, k)
+    out = bytearray(len(data))
+    planes.decode_into(frame, memoryview(out))
+    assert bytes(out) == data
