@@ -278,6 +278,9 @@ class BlobStore:
         self._deltas: Dict[str, str] = {}         # delta blobs this process wrote or decoded and hashed -> key id
         self._lock = threading.Lock()
         self._dirs: Set[str] = set()              # object directories written since the last sync()
+        # manifest codec -> the codec a blob recorded under it was last found stored as instead (a remote
+        # written with Remote(codec="auto") holds raw float chunks as .bpl): :meth:`stat` looks there first
+        self._swaps: Dict[str, str] = {}
 
     def locate(self, blob_id: str) -> Optional[str]:
         """The codec under which ``blob_id`` is stored in full (not as a delta), or ``None`` if it is not."""
@@ -453,13 +456,21 @@ class BlobStore:
         self.storage.sync(dirs)
 
     def stat(self, blob_id: str, codec: str) -> Tuple[str, Optional[int]]:
-        """``(codec, stored size)`` of a blob, looking under the other codec when it is not under ``codec``;
-        size ``None`` when the blob is missing (or is not a regular file)."""
-        size = self.storage.size(blob_path(blob_id, codec))
-        if size is None:
-            other = self.locate(blob_id)                  # e.g. re-written under the other codec
-            if other is not None and other != codec:
-                return other, self.storage.size(blob_path(blob_id, other))
+        """``(codec, stored size)`` of a blob, looking under the other codecs when it is not under ``codec``;
+        size ``None`` when the blob is missing (or is not a regular file). A blob may be stored under another
+        codec than its manifest records (FORMAT.md "Blobs": re-written, or encoded on upload by
+        ``Remote(codec="auto")``); the codec another blob recorded as ``codec`` was last found under is looked
+        at first, so that reading such a tier costs one lookup per blob, not one per codec."""
+        for c in dict.fromkeys((self._swaps.get(codec, codec), codec)):
+            size = self.storage.size(blob_path(blob_id, c))
+            if size is not None:
+                return c, size
+        other = self.locate(blob_id)                  # e.g. re-written under the other codec
+        if other is not None and other != codec:
+            if codec != "delta":
+                with self._lock:
+                    self._swaps[codec] = other
+            return other, self.storage.size(blob_path(blob_id, other))
         return codec, size
 
     def read_into(self, blob_id: str, codec: str, out: memoryview, *, step=None, key=None,

@@ -56,6 +56,7 @@ class Maintenance:
         """The :class:`~ckptstore.remote.upload.Uploader` arguments of this store (its knobs from ``remote``, and these
         callbacks)."""
         return dict(workers=remote.workers, retry=remote.retry, max_backlog=remote.backlog, every=remote.every,
+                    codec=remote.codec,
                     on_uploaded=self.after_upload, on_derived=self.after_derive)
 
     def open_uploader(self) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 
-from ..format.blobs import BlobStore, digest_bytes, hash_stream, read_verified
+from ..format.blobs import FULL_CODECS, BlobStore, digest_bytes, encode_chunk, hash_stream, read_verified
 from ..format.catalog import Catalog, ManifestCache
 from ..util.errors import CheckpointError, CorruptCheckpointError, DamagedRead, UploadError
 from ..format.layout import MAX_GENERATION, blob_path, commit_path, manifest_path, pack_path, shards_path, step_dir
@@ -29,6 +29,7 @@ from ..lifecycle.lease import WriterOp, read_epoch
 from ..format.manifest import (ChunkRef, Commit, Manifest, decode_commit, decode_manifest, encode_commit_files,
                                encode_manifest)
 from ..format import mtable
+from ..format.planes import float_itemsize
 from ..format.packs import MAX_SPAN, PackBuffers, Packing, ReadItem, coalesce, plan_packs
 from ..lifecycle.repack import copy_chunks, repoint
 from ..util.retry import RetryPolicy
@@ -37,6 +38,9 @@ from ..util.threads import background_pool
 
 log = logging.getLogger("ckptstore")
 STREAM_THRESHOLD = 16 << 20      # blobs above this are uploaded from their file (multipart, bounded memory)
+#: the largest raw blob ``codec="auto"`` encodes on upload: it is read whole (with its frame: about twice this
+#: per upload worker); larger ones are streamed raw from their file. Writing.chunk_size's default (64 MiB).
+ENCODE_MAX = 64 << 20
 ONE_GET_MAX = 128 << 20          # a remote pack whose size is known and at most this is read by one GET
 _HASH_PIECE = 8 << 20
 _ARRAYS = ("tensor", "ndarray", "npscalar", "dtensor")     # manifest node kinds whose payload has chunks
@@ -76,6 +80,19 @@ def _obj_key(c: ChunkRef) -> Tuple[str, str]:
 
 def _dst_keys(m: Manifest) -> Set[Tuple[str, str]]:
     return {_obj_key(c) for c in m.chunk_refs()}
+
+
+def _float_blobs(manifests) -> Dict[str, int]:
+    """Blob id -> element size (bytes) of every chunk stored as a blob of its own whose tensor / array has a
+    floating-point dtype (:func:`~ckptstore.format.planes.float_itemsize`): those the uploader may encode with
+    the ``planes`` codec, and whose copy on a tier may be under either name (``<id>`` or ``<id>.bpl``)."""
+    out: Dict[str, int] = {}
+    for _, _, m in manifests:
+        for _, e in m.arrays():
+            size = float_itemsize(e.dtype)
+            if size is not None:
+                out.update((c.blob_id, size) for c in e.chunks if c.pack is None and c.codec != "delta")
+    return out
 
 
 def _plain_shared(n, replicated, rank_local) -> bool:
@@ -129,12 +146,25 @@ class StepCopier:
     copies whole packs): a pack of which the step's ranged reads would fetch less than this fraction of its
     size (see ``RANGED_PULL_THRESHOLD``) is read by range and its referenced chunks are written into new local
     packs of at most ``pack_target`` bytes; the pulled manifests and the local commit marker then name them.
+
+    ``codec``: ``"raw"`` copies every object as the source stores it; ``"auto"`` (``Remote(codec="auto")``,
+    uploads to a destination without a local path only) encodes each raw blob of a floating-point chunk of at
+    most ``ENCODE_MAX`` bytes with :func:`~ckptstore.format.blobs.encode_chunk` after checking its raw bytes
+    against its id, and writes it as ``<id>.bpl`` where that pays. Manifests and markers are copied unchanged
+    either way: a blob may be stored under another codec than its manifest records (FORMAT.md "Blobs"), so the
+    source's copy, and the destination's, are looked for under every full codec's name, by id.
     """
 
     def __init__(self, src, dst, *, workers: int = 8, retry: Optional[RetryPolicy] = None,
                  mark_src: bool = False, progress: Optional[Callable[[int, int], None]] = None,
                  decoded: Optional[ManifestCache] = None, ranged: Optional[float] = None,
-                 pack_target: int = Packing().target_size):
+                 pack_target: int = Packing().target_size, codec: str = "raw"):
+        if codec not in ("raw", "auto"):
+            raise ValueError(f"StepCopier codec must be 'raw' or 'auto', got {codec!r}")
+        self.codec = codec if dst.local_path("") is None else "raw"
+        # manifest codec -> the codec a float blob recorded under it was last found stored as on src (tried
+        # first: a remote written with Remote(codec="auto") holds its raw float chunks as .bpl)
+        self._src_swap: Dict[str, str] = {}
         self.retry = retry or RetryPolicy()
         # a remote source's reads are retried beneath the catalog, which reads a failed read as damage
         self.src = with_retries(src, self.retry)
@@ -203,14 +233,39 @@ class StepCopier:
         return commit_bytes, commit, manifests
 
     # -- blobs --------------------------------------------------------------------------------------------------
-    def _dst_has(self, key, path: str) -> bool:
+    def _dst_has(self, key, *paths: str) -> bool:
+        """Whether ``dst`` holds the object of ``key``, under any of ``paths`` (looked up in turn, the
+        likeliest first: a blob's names under the codecs it may be stored with)."""
         if key in self.known_dst:
             return True
-        present = self.call(lambda: self.dst.exists(path), f"look up {path}")
-        if present:
-            with self._lock:
-                self.known_dst.add(key)
-        return present
+        for path in paths:
+            if self.call(lambda p=path: self.dst.exists(p), f"look up {path}"):
+                with self._lock:
+                    self.known_dst.add(key)
+                return True
+        return False
+
+    def _blob_names(self, codec: str, itemsize: Optional[int]) -> List[str]:
+        """The codecs a full copy of a blob recorded as ``codec`` may be stored under on a tier, the likeliest
+        first: a float chunk's raw / planes copy under either (an upload with ``codec="auto"`` encodes, one with
+        ``"raw"`` or a pull copies what it finds); any other under ``codec`` alone."""
+        if codec not in ("raw", "planes") or itemsize is None:
+            return [codec]
+        first = "planes" if self.codec == "auto" else codec
+        return [first, "raw" if first == "planes" else "planes"]
+
+    def _src_codec(self, blob_id: str, codec: str, itemsize: Optional[int]) -> str:
+        """The codec under which a local source holds a full blob recorded as ``codec`` (its file looked up
+        under the other names when absent: a pulled ``.bpl``); ``codec`` itself when none is found (the copy
+        then reports the blob missing)."""
+        if codec == "delta":
+            return codec
+        names = self._blob_names(codec, itemsize)
+        names += [c for c in FULL_CODECS if c not in names]
+        for c in ([codec] + [c for c in names if c != codec]):
+            if self.src.exists(blob_path(blob_id, c)):
+                return c
+        return codec
 
     def _put_verified_file(self, step: int, path: str, local: str, want_id: str, want_size: Optional[int],
                            what: str, name: str) -> int:
@@ -303,36 +358,83 @@ class StepCopier:
         return read_verified(self.src, path, once)
 
     def _copy_blob(self, step: int, blob_id: str, codec: str, nbytes: int, base: Optional[ChunkRef] = None,
-                   stats: Optional[TransferStats] = None) -> int:
+                   itemsize: Optional[int] = None, stats: Optional[TransferStats] = None) -> int:
         """Copy one blob if ``dst`` lacks it, verifying its bytes first. Returns bytes sent (0 if present).
         A delta (``base``: its key) is verified by decoding it against its key, read from ``src`` and verified
-        (one more read of the key's raw length per delta copied).
+        (one more read of the key's raw length per delta copied). ``itemsize``: the element size of a
+        floating-point chunk (``None`` for other dtypes): such a blob may be stored under ``<id>`` or
+        ``<id>.bpl`` on either side whatever ``codec`` (the manifest's) says, and is encoded on its way with
+        ``codec="auto"`` (see the class docstring).
 
         Small blobs on a destination with create-only writes are not looked up first: the write itself is
         conditional (S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``), so a present blob costs one request
         and a resend of at most ``STREAM_THRESHOLD`` bytes, and an absent one (the common case) one request
-        instead of two. Large blobs are looked up (one HEAD) before their bytes are sent."""
+        instead of two. Large blobs are looked up (one HEAD per name it may have) before their bytes are sent."""
         key = ("delta" if codec == "delta" else "blob", blob_id)
         with self._lock:
             if key in self.known_dst:
                 return 0
-        path = blob_path(blob_id, codec)
+        local_src = self.src.local_path("") is not None
+        have = self._src_codec(blob_id, codec, itemsize) if local_src else codec
+        path = blob_path(blob_id, have)
         local = self.src.local_path(path)
-        streamed = local is not None and codec == "raw" and nbytes > STREAM_THRESHOLD
-        if (streamed or not self.dst.conditional_writes) and self._dst_has(key, path):
+        streamed = local is not None and have == "raw" and nbytes > STREAM_THRESHOLD
+        encode = self.codec == "auto" and itemsize is not None and codec != "delta"
+        # where dst may hold it: under either name with codec="auto" or into a local root (lookups are cheap
+        # there); a raw upload looks under the manifest's name alone (one HEAD, as before codecs on upload)
+        raw_upload = self.codec == "raw" and self.dst.local_path("") is None
+        names = [blob_path(blob_id, c) for c in ([codec] if raw_upload else self._blob_names(codec, itemsize))]
+        if (streamed or not self.dst.conditional_writes) and self._dst_has(key, *names):
             return 0
-        if streamed:
+        if streamed and not (encode and nbytes <= ENCODE_MAX):
             sent = fetched = self._put_verified_file(step, path, local, blob_id, nbytes, "blob", blob_id)
         else:
-            payload = self._read_checked(step, path, "blob", blob_id, lambda: self.src.read_bytes(path),
-                                         self._intact(step, blob_id, codec, nbytes, base))
-            wrote = self.call(lambda: self.dst.write_new(path, payload), f"write blob {blob_id}")
-            sent, fetched = (len(payload) if wrote else 0), len(payload)
+            have, payload = self._read_blob(step, blob_id, codec, nbytes, base, itemsize, have, local_src)
+            fetched = len(payload)
+            if encode and have == "raw":           # verified raw bytes: encoded after the check, never before
+                have, payload = encode_chunk(memoryview(payload), "auto", 1, itemsize)
+            out = blob_path(blob_id, have)
+            wrote = self.call(lambda: self.dst.write_new(out, payload), f"write blob {blob_id}")
+            sent = len(payload) if wrote else 0
         if stats is not None:
             self._tally(stats, bytes_fetched=fetched)
         with self._lock:
             self.known_dst.add(key)
         return sent
+
+    def _read_blob(self, step: int, blob_id: str, codec: str, nbytes: int, base: Optional[ChunkRef],
+                   itemsize: Optional[int], have: str, local_src: bool) -> Tuple[str, bytes]:
+        """A blob's stored bytes read from ``src`` and checked (decoded and hashed against its id; see
+        :meth:`_read_checked`), with the codec they are stored under: ``have`` from a local source (looked up
+        already), else the first of its possible names found, the one a float blob recorded as ``codec`` was
+        last found under tried first (one GET for each name tried; a missing blob is reported as missing)."""
+        if local_src or codec == "delta":
+            order = [have]
+        else:
+            names = self._blob_names(codec, itemsize) + [c for c in FULL_CODECS if c != codec]
+            first = self._src_swap.get(codec, codec) if itemsize is not None else codec
+            order = list(dict.fromkeys([first, codec] + names))
+        found = [order[0]]
+        check = self._intact(step, blob_id, codec, nbytes, base) if codec == "delta" else None
+
+        def read() -> bytes:
+            for i, c in enumerate(order):
+                try:
+                    data = self.src.read_bytes(blob_path(blob_id, c))
+                except FileNotFoundError:
+                    if i == len(order) - 1:
+                        raise
+                    continue
+                found[0] = c
+                return data
+
+        def intact(b) -> bool:
+            return check(b) if check is not None else BlobStore.intact(b, blob_id, found[0], nbytes)
+        payload = self._read_checked(step, blob_path(blob_id, order[0]), "blob", blob_id, read, intact)
+        if found[0] != codec and itemsize is not None and not local_src:
+            with self._lock:
+                self._src_swap[codec] = found[0]
+        return found[0], payload
 
     def _intact(self, step: int, blob_id: str, codec: str, nbytes: int, base: Optional[ChunkRef]):
         """``check(stored bytes) -> bool`` of one blob copied: decoded and hashed (a delta against its key)."""
@@ -429,10 +531,11 @@ class StepCopier:
         held = {b: blobs.pop(b) for kind, b in deferred if kind != "pack"}
         packs -= {p for kind, p in deferred if kind == "pack"}
         stats = TransferStats(step=step, blobs_total=len(blobs) + len(packs))
+        floats = _float_blobs(manifests)
         for _ in range(10):
             self._disturbed = False
             ranged = self._ranged_packs(packs, ranges, pack_ends) if marker == "write" else set()
-            new = self._copy_objects(step, blobs, packs - ranged, stats, pack_ends, ranged, ranges)
+            new = self._copy_objects(step, blobs, packs - ranged, stats, pack_ends, ranged, ranges, floats)
             if deferred:                          # after our own objects (owners never wait for those)
                 late = self._await_owners(step, commit, deferred, others_timeout)
                 deferred = {}
@@ -442,7 +545,7 @@ class StepCopier:
                     blobs.update(late_blobs)
                     packs |= late_packs
                     stats.blobs_total += len(late)
-                    self._copy_objects(step, late_blobs, late_packs, stats, pack_ends)
+                    self._copy_objects(step, late_blobs, late_packs, stats, pack_ends, floats=floats)
             self.dst.sync({blob_path(b, c.codec).rsplit("/", 1)[0] for b, c in blobs.items()} |
                           {pack_path(p).rsplit("/", 1)[0] for p in packs - ranged})
             writes, marker_bytes, table = self._dst_metadata(step, commit_bytes, commit, manifests, ranged, new)
@@ -783,7 +886,7 @@ class StepCopier:
 
     def _copy_objects(self, step: int, blobs, packs, stats: TransferStats,
                       pack_ends: Optional[Dict[str, int]] = None, ranged: Set[str] = frozenset(),
-                      ranges=None) -> Dict[str, ChunkRef]:
+                      ranges=None, floats: Optional[Dict[str, int]] = None) -> Dict[str, ChunkRef]:
         """Copy the blobs and the whole packs (in the pool), and meanwhile the ``ranged`` packs' chunks (from
         this thread, their reads in the pool). Returns the new references of the ranged packs' chunks."""
         weight = {("pack", p): (pack_ends or {}).get(p, 0) for p in set(packs) | set(ranged)}
@@ -805,8 +908,8 @@ class StepCopier:
             return sent
         # packs first: they are the large objects, and the pool overlaps them with the many small blobs
         futures = [self._pool.submit(counted, self._copy_pack, ("pack", p)) for p in sorted(packs)]
-        futures += [self._pool.submit(counted, self._copy_blob, ("blob", b), c.codec, c.nbytes, c.base)
-                    for b, c in blobs.items()]
+        futures += [self._pool.submit(counted, self._copy_blob, ("blob", b), c.codec, c.nbytes, c.base,
+                                      (floats or {}).get(b)) for b, c in blobs.items()]
         error, new = None, {}
         if ranged:
             try:

@@ -69,11 +69,11 @@ class Uploader:
     def __init__(self, local, remote, *, workers: int = 8, retry: Optional[RetryPolicy] = None,
                  max_backlog: int = 8, on_uploaded: Optional[Callable[[int], None]] = None,
                  on_derived: Optional[Callable[[], None]] = None, parts_only: bool = False, start: bool = True,
-                 every: int = 1):
+                 every: int = 1, codec: str = "raw"):
         self.local, self.remote = local, remote
         self.every = max(1, int(every))              # only steps that are multiples of it are uploaded
         self.parts_only = parts_only
-        self.copier = StepCopier(local, remote, workers=workers, retry=retry, mark_src=True)
+        self.copier = StepCopier(local, remote, workers=workers, retry=retry, mark_src=True, codec=codec)
         self.retry = self.copier.retry
         self.max_backlog = max(1, max_backlog)
         self.on_uploaded = on_uploaded
