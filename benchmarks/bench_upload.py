@@ -7,7 +7,8 @@ same bytes, against ONE local moto S3 server (127.0.0.1), in one run.
     python benchmarks/bench_upload.py --size-mb 200 --workers 4,8,16 --json up.json
 
 Contenders, alternated (see benchmarks/README.md, "bench_upload.py"):
-  * ckptstore upload w=N: ``Store(remote=Remote(s3://..., workers=N)).save(state, 1)`` into an empty bucket;
+  * ckptstore upload w=N: ``Store(remote=Remote(s3://..., workers=N)).save(state, 1)`` into an empty bucket
+    (``--codecs``: ``Writing(codec=)`` of the save; ``--remote-codecs``: ``Remote(codec=)`` of the uploader);
     timed from ``save()`` returning (the step is committed locally) to ``wait_for_uploads()`` returning. The
     ``--dedup-workers`` store then measures "ckptstore dedup step 2": half of the tensors change (bit-flipped
     in place), ``save(state, 2)``; bytes uploaded (``TransferStats.bytes_copied``) vs state bytes.
@@ -43,6 +44,10 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--codecs", default="raw",
                    help="ckptstore Writing(codec=) values, comma-separated (raw, zstd, auto; default raw): one "
                         "ckptstore contender per codec and worker count (issue 30: does a codec pay on upload?)")
+    p.add_argument("--remote-codecs", default="raw",
+                   help="ckptstore Remote(codec=) values, comma-separated (raw, auto; default raw): one contender "
+                        "per pair with --codecs; auto: the save writes as --codecs says (raw: a raw local save), the "
+                        "uploader encodes float blobs on their way up (issue 30)")
     p.add_argument("--boto-concurrency", type=int, default=8, help="boto3 TransferConfig max_concurrency")
     p.add_argument("--boto-chunk-mb", type=int, default=64, help="boto3 TransferConfig multipart_chunksize")
     p.add_argument("--dedup-workers", type=int, default=None,
@@ -58,6 +63,9 @@ def parse_args(argv: list[str] | None = None):
     args.workers = [int(w) for w in str(args.workers).split(",") if w.strip()]
     args.only = [m.strip() for m in args.only.split(",") if m.strip()]
     args.codecs = [c.strip() for c in str(args.codecs).split(",") if c.strip()]
+    args.remote_codecs = [c.strip() for c in str(args.remote_codecs).split(",") if c.strip()]
+    if set(args.remote_codecs) - {"raw", "auto"}:
+        p.error(f"--remote-codecs: unknown {sorted(set(args.remote_codecs) - {'raw', 'auto'})}")
     if set(args.codecs) - {"raw", "zstd", "auto"}:
         p.error(f"--codecs: unknown {sorted(set(args.codecs) - {'raw', 'zstd', 'auto'})}")
     if set(args.only) - {"ckptstore", "s3fs", "boto3"}:
@@ -273,17 +281,18 @@ class Bench:
         m["moto_tmp_files"] = held
         return m
 
-    def ckptstore(self, workers: int, dedup: bool, codec: str = "raw") -> Callable:
+    def ckptstore(self, workers: int, dedup: bool, codec: str = "raw", remote_codec: str = "raw") -> Callable:
         def run(res: H.Results, url: str) -> None:
             from ckptstore import Remote, Store, Writing
             from ckptstore.format.catalog import Catalog
             local = C.fresh_dir(self.run_dir, "local-")
-            store = Store(local, remote=Remote(url + "/ckpt", workers=workers), storage_options=self.opts,
+            store = Store(local, remote=Remote(url + "/ckpt", workers=workers, codec=remote_codec),
+                          storage_options=self.opts,
                           writing=Writing(chunk_size=self.args.chunk_mb * MiB, codec=codec))
             undo = None
             try:
                 store.wait_for_uploads()                  # the uploader has listed the (empty) remote
-                for step, name in ((1, upload_row(workers, codec)), (2, DEDUP)):
+                for step, name in ((1, upload_row(workers, codec, remote_codec)), (2, DEDUP)):
                     if step == 2 and not dedup:
                         break
                     probe = Probe()
@@ -302,8 +311,8 @@ class Bench:
                     st = store._parts.uploader.uploaded[-1]
                     want = self.size if step == 1 else self.changed_bytes
                     # a codec uploads the stored bytes: at most the raw ones (a chunk is kept raw when nothing pays)
-                    res.check(name, st.step == step and (st.bytes_copied == want if codec == "raw" else
-                                                         0 < st.bytes_copied <= want)
+                    res.check(name, st.step == step and (st.bytes_copied == want if codec == remote_codec == "raw"
+                                                         else 0 < st.bytes_copied <= want)
                               and step in Catalog(store.remote_storage).committed_steps())
                     m.update(bytes=st.bytes_copied, local_save_seconds=r.seconds, local_bytes_written=r.bytes_written,
                              blobs=st.blobs_total, blobs_copied=st.blobs_copied, uploader_seconds=st.seconds)
@@ -364,11 +373,12 @@ class Bench:
         workers = list(a.workers) if "ckptstore" in a.only else []
         if not a.no_dedup and "ckptstore" in a.only and a.dedup_workers not in workers:
             workers.append(a.dedup_workers)
-        for codec in a.codecs if workers else ():
+        pairs = [(c, rc) for c in a.codecs for rc in a.remote_codecs]
+        for codec, rc in pairs if workers else ():
             for w in workers:
-                dedup = not a.no_dedup and w == a.dedup_workers and codec == a.codecs[0]
-                out.append(one(f"ckptstore w={w} {codec}", self.ckptstore(w, dedup, codec),
-                               (upload_row(w, codec),) + ((DEDUP,) if dedup else ())))
+                dedup = not a.no_dedup and w == a.dedup_workers and (codec, rc) == pairs[0]
+                out.append(one(f"ckptstore w={w} {codec} remote={rc}", self.ckptstore(w, dedup, codec, rc),
+                               (upload_row(w, codec, rc),) + ((DEDUP,) if dedup else ())))
         if "s3fs" in a.only:
             out.append(one("s3fs put_file", self.s3fs))
         if "boto3" in a.only:
@@ -376,8 +386,9 @@ class Bench:
         return out
 
 
-def upload_row(workers: int, codec: str) -> str:
-    return f"ckptstore upload w={workers}" + ("" if codec == "raw" else f" codec={codec}")
+def upload_row(workers: int, codec: str, remote_codec: str = "raw") -> str:
+    return (f"ckptstore upload w={workers}" + ("" if codec == "raw" else f" codec={codec}")
+            + ("" if remote_codec == "raw" else f" remote codec={remote_codec}"))
 
 
 def render_breakdown(res: H.Results) -> str:

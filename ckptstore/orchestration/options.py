@@ -108,11 +108,13 @@ class Remote:
     with the ``planes`` codec on its way up (after its raw bytes are checked against its id), and stored as
     ``<id>.bpl`` where that saves >= 3% (else raw); packs, compressed blobs, deltas and other dtypes go as they
     are, and so do blobs over 64 MiB (``ENCODE_MAX``: they are read whole to encode, one per upload worker).
-    The local tier stays raw (a save costs what a raw save costs, a local resume reads raw), the manifests and
+    The local tier stays raw (a save costs what a raw save costs, a local resume reads raw); the manifests and
     commit marker on the remote stay byte-identical to the local ones: a blob may be stored on a tier under
-    another codec than its manifest records, and readers find it by id (FORMAT.md "Blobs"). Measured here
-    (issue 30, benchmarks/README.md "bench_upload.py"): the uploads of a 1 GiB fp32 state move ~0.82 of the
-    bytes. Opt-in: it costs the uploader's threads ~0.3 s of CPU per 64 MiB chunk encoded.
+    another codec than its manifest records, and readers find it by id (FORMAT.md "Chunks, blobs and packs").
+    Measured here (issue 30, benchmarks/README.md "bench_upload.py"): see the "Codecs" paragraph there. Opt-in:
+    it costs the uploader's threads ~0.1 s of CPU per 64 MiB fp32 chunk encoded, and readers of the remote must
+    be of a ckptstore that knows the rule (older ones report the ``.bpl`` blobs missing). Any other value:
+    ``ValueError``.
     """
     url: str
     workers: int = 8

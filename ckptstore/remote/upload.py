@@ -61,6 +61,7 @@ class Uploader:
     remote commit marker and pointer once every rank's part is there. Rank 0's uploader copies the parts its
     own root holds and then waits for the others' (see :meth:`StepCopier.copy_step`). An object several roots
     hold is uploaded by one of them (issue 29; FORMAT.md "Distributed saves": one uploader per object).
+    ``codec``: ``Remote.codec`` (``"auto"``: float blobs are encoded on their way up, see :class:`StepCopier`).
 
     Callbacks, on the uploader's thread (the uploader counts as busy while they run): ``on_uploaded(step)``
     after each upload; ``on_derived()`` once the work is derived from the two stores (at start-up, and again
