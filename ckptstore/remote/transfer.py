@@ -151,8 +151,9 @@ class StepCopier:
     uploads to a destination without a local path only) encodes each raw blob of a floating-point chunk of at
     most ``ENCODE_MAX`` bytes with :func:`~ckptstore.format.blobs.encode_chunk` after checking its raw bytes
     against its id, and writes it as ``<id>.bpl`` where that pays. Manifests and markers are copied unchanged
-    either way: a blob may be stored under another codec than its manifest records (FORMAT.md "Blobs"), so the
-    source's copy, and the destination's, are looked for under every full codec's name, by id.
+    either way: a blob may be stored under another codec than its manifest records (FORMAT.md "Chunks, blobs
+    and packs"), so the source's copy, and the destination's, are looked for under every full codec's name, by
+    id. Raises ``ValueError`` for another ``codec``.
     """
 
     def __init__(self, src, dst, *, workers: int = 8, retry: Optional[RetryPolicy] = None,
@@ -260,9 +261,7 @@ class StepCopier:
         then reports the blob missing)."""
         if codec == "delta":
             return codec
-        names = self._blob_names(codec, itemsize)
-        names += [c for c in FULL_CODECS if c not in names]
-        for c in ([codec] + [c for c in names if c != codec]):
+        for c in dict.fromkeys([codec] + self._blob_names(codec, itemsize) + list(FULL_CODECS)):
             if self.src.exists(blob_path(blob_id, c)):
                 return c
         return codec

@@ -87,6 +87,9 @@ def test_auto_uploads_float_blobs_as_planes_and_resumes_bit_for_bit(tmp_path, s3
     assert fs.cat_file(f"{rroot}/{manifest_path(1, 0, 0)}") == manifest   # manifests unchanged
     p = cli("verify", target.url, "--storage-options", json.dumps(target.storage_options), check=False)
     assert p.returncode == 0 and "step 1: ok" in p.stdout, p.stdout + p.stderr
+    with Store(target.url, storage_options=target.storage_options, create=False) as r:   # read in place
+        direct = r.load(1)
+    assert all(torch.equal(direct[k], state[k]) for k in ("w", "h", "ids", "big"))
 
     shutil.rmtree(root)
     got = empty_like(state)
