@@ -33,6 +33,7 @@ T = TypeVar("T")
 CODECS = ("raw", "zstd", "planes", "delta")    # how a chunk's bytes may be stored (manifests name one per chunk)
 FULL_CODECS = ("raw", "zstd", "planes")       # those that need no other blob to decode (a delta needs its key)
 WRITE_CODECS = ("raw", "zstd", "auto")     # what ``Writing.codec`` may ask for (see :func:`encode_chunk`)
+_FALLBACK = ("planes", "raw", "zstd")      # where BlobStore.stat looks for a blob not under its manifest's name
 _MT_HASH_BYTES = 16 << 20           # multi-threaded hashing pays only for large buffers
 _MIN_ZSTD_GAIN = 0.97               # keep a zstd frame only if it is at most 97% of the raw size
 
@@ -270,7 +271,9 @@ def _planes_check(src: "_RangeFile", *, nbytes: Optional[int], blob_id: str, sto
 class BlobStore:
     """Blobs of one store root. Thread-safe; remembers which blobs it has seen so dedup costs no I/O."""
 
-    def __init__(self, storage, *, quarantine: bool = True):
+    def __init__(self, storage, *, quarantine: bool = True, prefer: Optional[Dict[str, str]] = None):
+        """``prefer``: manifest codec -> the codec :meth:`stat` looks under first (``{"raw": "planes"}`` for a
+        remote written with ``Remote(codec="auto")``; see ``_swaps``)."""
         self.storage = storage
         self.quarantine = quarantine              # False for stores this process only reads (load_path)
         self._known: Dict[str, str] = {}          # blob id -> codec, of blobs known to exist
@@ -280,7 +283,7 @@ class BlobStore:
         self._dirs: Set[str] = set()              # object directories written since the last sync()
         # manifest codec -> the codec a blob recorded under it was last found stored as instead (a remote
         # written with Remote(codec="auto") holds raw float chunks as .bpl): :meth:`stat` looks there first
-        self._swaps: Dict[str, str] = {}
+        self._swaps: Dict[str, str] = dict(prefer or {})
 
     def locate(self, blob_id: str) -> Optional[str]:
         """The codec under which ``blob_id`` is stored in full (not as a delta), or ``None`` if it is not."""
@@ -461,17 +464,21 @@ class BlobStore:
         codec than its manifest records (FORMAT.md "Blobs": re-written, or encoded on upload by
         ``Remote(codec="auto")``); the codec another blob recorded as ``codec`` was last found under is looked
         at first, so that reading such a tier costs one lookup per blob, not one per codec."""
-        for c in dict.fromkeys((self._swaps.get(codec, codec), codec)):
+        first = (self._swaps.get(codec, codec), codec)
+        with self._lock:
+            known = self._known.get(blob_id)             # a full copy found before (e.g. re-written)
+        # then the other full codecs' names (a delta's full copy serves too), each name looked up once
+        for c in dict.fromkeys(first + ((known,) if known else ()) + _FALLBACK):
             size = self.storage.size(blob_path(blob_id, c))
-            if size is not None:
-                return c, size
-        other = self.locate(blob_id)                  # e.g. re-written under the other codec
-        if other is not None and other != codec:
-            if codec != "delta":
-                with self._lock:
-                    self._swaps[codec] = other
-            return other, self.storage.size(blob_path(blob_id, other))
-        return codec, size
+            if size is None:
+                continue
+            if c not in first:
+                self.remember(blob_id, c)
+                if codec != "delta":
+                    with self._lock:
+                        self._swaps[codec] = c
+            return c, size
+        return codec, None
 
     def read_into(self, blob_id: str, codec: str, out: memoryview, *, step=None, key=None,
                   quarantine: bool = True, size: Optional[int] = None, base=None) -> None:

@@ -69,7 +69,9 @@ class Loader:
         """The remote's catalog and blobs for reading a step in place (its calls retried, see
         :mod:`ckptstore.storage.retrying`)."""
         remote = with_retries(self.p.remote_storage, self.p.retry)
-        return Catalog(remote, self.p.decoded), BlobStore(remote, quarantine=False)
+        auto = self.p.remote is not None and self.p.remote.codec == "auto"     # its float blobs: <id>.bpl
+        return Catalog(remote, self.p.decoded), BlobStore(remote, quarantine=False,
+                                                           prefer={"raw": "planes"} if auto else None)
 
     def _catalog(self, tier: str) -> Catalog:
         return self.p.catalog if tier == "local" else self.remote_reader()[0]

@@ -277,7 +277,8 @@ class Maintenance:
         the caller read it already."""
         p = self.p
         copier = StepCopier(p.remote_storage, p.storage, retry=p.retry, decoded=p.decoded,
-                            ranged=transfer.RANGED_PULL_THRESHOLD, pack_target=p.writing.packing.target_size)
+                            ranged=transfer.RANGED_PULL_THRESHOLD, pack_target=p.writing.packing.target_size,
+                            codec=p.remote.codec if p.remote is not None else "raw")
         try:
             with p.maint:
                 stats = copier.copy_step(step, ranks=ranks, source=source)

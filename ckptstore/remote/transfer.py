@@ -147,8 +147,9 @@ class StepCopier:
     size (see ``RANGED_PULL_THRESHOLD``) is read by range and its referenced chunks are written into new local
     packs of at most ``pack_target`` bytes; the pulled manifests and the local commit marker then name them.
 
-    ``codec``: ``"raw"`` copies every object as the source stores it; ``"auto"`` (``Remote(codec="auto")``,
-    uploads to a destination without a local path only) encodes each raw blob of a floating-point chunk of at
+    ``codec``: ``"raw"`` copies every object as the source stores it; ``"auto"`` (``Remote(codec="auto")``)
+    looks for a raw-recorded float blob of a remote source under ``<id>.bpl`` first (a pull), and, uploading
+    to a destination without a local path, encodes each raw blob of a floating-point chunk of at
     most ``ENCODE_MAX`` bytes with :func:`~ckptstore.format.blobs.encode_chunk` after checking its raw bytes
     against its id, and writes it as ``<id>.bpl`` where that pays. Manifests and markers are copied unchanged
     either way: a blob may be stored under another codec than its manifest records (FORMAT.md "Chunks, blobs
@@ -165,7 +166,7 @@ class StepCopier:
         self.codec = codec if dst.local_path("") is None else "raw"
         # manifest codec -> the codec a float blob recorded under it was last found stored as on src (tried
         # first: a remote written with Remote(codec="auto") holds its raw float chunks as .bpl)
-        self._src_swap: Dict[str, str] = {}
+        self._src_swap: Dict[str, str] = {"raw": "planes"} if codec == "auto" else {}
         self.retry = retry or RetryPolicy()
         # a remote source's reads are retried beneath the catalog, which reads a failed read as damage
         self.src = with_retries(src, self.retry)

@@ -178,3 +178,45 @@ def test_remote_retention_and_gc_remove_the_planes_blobs_of_deleted_steps(tmp_pa
         r.gc(grace_seconds=0, repack=None)              # a gc of the remote keeps the live .bpl objects
         assert r.verify() == {2: None}
     assert set(remote_objects(target)) == left
+
+
+@pytest.mark.parametrize("how", ["pull", "in_place", "url"])
+def test_reading_an_auto_remote_costs_no_lookup_per_codec(tmp_path, s3_bucket_url, proxy, how):
+    """Readers of the remote find raw-recorded float chunks under ``.bpl`` names without a lookup per codec: a
+    store with ``Remote(codec="auto")`` (a resume's pull; a read-only store reading the remote in place) looks
+    there first; a store on the remote URL (no such option) looks under each blob's raw name at most once,
+    and not again once it has learnt where such blobs are."""
+    target, root = s3_bucket_url, tmp_path / "run"
+    g = torch.Generator().manual_seed(5)
+    state = {f"t{i}": torch.randn(1 << 18, generator=g) for i in range(6)}          # six 1 MiB fp32 blobs
+    with open_store(root, target) as s:
+        s.save(state, 1)
+        s.wait_for_uploads()
+        ids = {b for k in state for b in blob_ids(s, 1, k)}
+    assert {f"{b}.bpl" for b in ids} <= set(remote_objects(target))
+    shutil.rmtree(root)
+    opts = dict(target.storage_options, endpoint_url=proxy.endpoint)
+    got = empty_like(state)
+    if how == "url":
+        with Store(target.url, storage_options=opts, create=False) as r:
+            proxy.reset()
+            got = r.load(1)
+            first = list(proxy.requests)
+            proxy.reset()
+            assert all(torch.equal(t, state[k]) for k, t in r.load(1).items())   # learnt: .bpl first
+            again = list(proxy.requests)
+    else:
+        proxy.reset()
+        with Store(root, remote=Remote(target.url, codec="auto"), storage_options=opts,
+                   read_only=how == "in_place") as s:
+            if how == "pull":
+                assert s.resume(got) == 1 and s.resumed_from["tier"] == "remote"
+            else:
+                got = s.load(1)
+        first, again = list(proxy.requests), []
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+
+    def raw_lookups(requests):
+        return [t for m, t in requests if m in ("GET", "HEAD") and t.split("?")[0].rsplit("/", 1)[1] in ids]
+    assert len(raw_lookups(first)) <= (len(ids) if how == "url" else 0), raw_lookups(first)
+    assert raw_lookups(again) == []
