@@ -461,9 +461,10 @@ class BlobStore:
     def stat(self, blob_id: str, codec: str) -> Tuple[str, Optional[int]]:
         """``(codec, stored size)`` of a blob, looking under the other codecs when it is not under ``codec``;
         size ``None`` when the blob is missing (or is not a regular file). A blob may be stored under another
-        codec than its manifest records (FORMAT.md "Blobs": re-written, or encoded on upload by
-        ``Remote(codec="auto")``); the codec another blob recorded as ``codec`` was last found under is looked
-        at first, so that reading such a tier costs one lookup per blob, not one per codec."""
+        codec than its manifest records (FORMAT.md "Chunks, blobs and packs": re-written, or encoded on upload by
+        ``Remote(codec="auto")``); the codec another blob recorded as ``codec`` was last found under (or the one
+        ``prefer`` names) is looked at first, so that reading such a tier costs one lookup per blob, not one per
+        codec."""
         first = (self._swaps.get(codec, codec), codec)
         with self._lock:
             known = self._known.get(blob_id)             # a full copy found before (e.g. re-written)
