@@ -110,11 +110,17 @@ def encode_chunk(data, codec: str, level: int = 1, itemsize: Optional[int] = Non
     return ("zstd", packed) if len(packed) <= _MIN_ZSTD_GAIN * n else ("raw", data)
 
 
-def decode_into(codec: str, payload, out: memoryview) -> int:
-    """Decode one chunk's stored bytes (``codec``: ``"zstd"`` or ``"planes"``) into ``out``, whose length is the
-    raw length expected; return the bytes produced (bounded by ``len(out)``). Raises ``ValueError`` (a
-    :class:`~ckptstore.format.planes.FrameError` for planes) or ``zstandard.ZstdError`` for bytes that do not
-    decode to that length."""
+def decode_into(codec: str, payload, out: memoryview, *, key=None, key_id: Optional[str] = None) -> int:
+    """Decode one chunk's stored bytes (``codec``: ``"zstd"``, ``"planes"`` or ``"delta"``) into ``out``, whose
+    length is the raw length expected; return the bytes produced (bounded by ``len(out)``). A delta decodes
+    against ``key`` (its key's raw bytes, verified by the caller) named ``key_id``. Raises ``ValueError`` (a
+    :class:`~ckptstore.format.planes.FrameError` for planes, a :class:`~ckptstore.format.delta.DeltaError` for a
+    delta) or ``zstandard.ZstdError`` for bytes that do not decode to that length."""
+    if codec == "delta":
+        if key is None:
+            raise delta.DeltaError("a delta decodes only against its key")
+        delta.decode_into(payload, key, key_id, out)
+        return len(out)
     if codec == "planes":
         planes.decode_into(payload, out)
         return len(out)
@@ -438,14 +444,9 @@ class BlobStore:
         try:
             if codec == "raw":
                 raw = payload
-            elif codec == "delta":
-                if key is None:
-                    return False
+            elif codec in ("delta", "planes"):            # decoded to exactly nbytes or refused
                 raw = bytearray(nbytes)
-                delta.decode_into(payload, key, key_id, memoryview(raw))
-            elif codec == "planes":
-                raw = bytearray(nbytes)
-                planes.decode_into(payload, memoryview(raw))
+                decode_into(codec, payload, memoryview(raw), key=key, key_id=key_id)
             else:
                 raw = decompress(payload, nbytes)
         except (ValueError, zstandard.ZstdError):
@@ -511,11 +512,7 @@ class BlobStore:
                 else:
                     payload = self.storage.read_bytes(path)
                     try:
-                        if keybuf is not None:
-                            delta.decode_into(payload, keybuf, base.blob_id, out)
-                            got = nbytes
-                        else:
-                            got = decode_into(codec, payload, out)
+                        got = decode_into(codec, payload, out, key=keybuf, key_id=base and base.blob_id)
                     except (ValueError, zstandard.ZstdError) as e:
                         raise DamagedRead(f"blob unreadable ({e})", got=(len(payload), digest_bytes(payload)),
                                           step=step, key=key, blob=blob_id) from None
