@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv demo test bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py ckptstore/format/_planes.c
 	@# libfuse3 + fusermount3 for the power-loss tests (tests/lazyfs.py); as root where apt-get exists, else
 	@# those tests skip, saying why
 	if [ -e /dev/fuse ] && ! command -v fusermount3 >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \

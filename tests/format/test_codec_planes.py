@@ -297,11 +297,26 @@ def _floats(n: int, seed: int = 0, k: int = 4) -> bytes:
 SIZES = [0, 1, 3, 8, 1023, 4097, 4 * 4096 + 5, 70_001, 300_003, 8 * 2 ** 17 + 3]     # the last: several blocks at k = 8
 
 
+NATIVE = pytest.mark.skipif(planes._native is None, reason="the C split/merge (ckptstore/format/_planes.c) is "
+                            "not built here (no compiler at install, or CKPTSTORE_NATIVE=0)")
+
+
+@pytest.fixture(params=["c", "numpy"])
+def split_merge(request, monkeypatch):
+    """Each test once with the C split / merge (where built) and once with the numpy code."""
+    if request.param == "c" and planes._native is None:
+        pytest.skip("the C split/merge is not built here")
+    if request.param == "numpy":
+        monkeypatch.setattr(planes, "_native", None)
+    return request.param
+
+
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 @pytest.mark.parametrize("transform", [planes.NONE, planes.EXPONENT])
-def test_encode_writes_the_frame_the_spec_defines(k, transform):
-    """Every element size, odd lengths with tails, both transforms: the frame's planes (each decoded by
-    python-zstandard's plain decoder) are the spec's planes, and decode_into gives the bytes back bit for bit."""
+def test_encode_writes_the_frame_the_spec_defines(k, transform, split_merge):
+    """Every element size, odd lengths with tails, both transforms, through the C and the numpy split / merge:
+    the frame's planes (each decoded by python-zstandard's plain decoder) are the spec's planes, and decode_into
+    gives the bytes back bit for bit."""
     for n in SIZES:
         for data in (_floats(n, n, k), np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()):
             frame = bytes(planes.encode(data, k, transform=transform))
@@ -315,7 +330,7 @@ def test_encode_writes_the_frame_the_spec_defines(k, transform):
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-def test_version_1_frames_of_the_first_encoder_still_decode(k):
+def test_version_1_frames_of_the_first_encoder_still_decode(k, split_merge):
     """Frames written from the spec with python-zstandard's compressor (as the first planes encoder wrote them:
     level 1, 32 KiB window, 7-byte matches), or with every plane raw, decode bit for bit."""
     import zstandard
@@ -418,3 +433,64 @@ def test_planes_round_trip_sampled_planes(seed, size, k, fill, noise):
     out = bytearray(len(data))
     planes.decode_into(frame, memoryview(out))
     assert bytes(out) == data
+
+
+@NATIVE
+@settings(max_examples=80, deadline=None)
+@given(data=st.binary(max_size=5000), k=st.sampled_from([2, 4, 8]),
+       transform=st.sampled_from([planes.NONE, planes.EXPONENT]))
+def test_c_split_and_merge_equal_the_numpy_code(data, k, transform):
+    """The C split / merge give the numpy code's planes and elements byte for byte, for any bytes (every NaN,
+    sign and exponent pattern), every element size and both transforms."""
+    m = len(data) // k
+    a = np.frombuffer(data[: m * k], dtype=np.uint8)
+    want = np.empty((k, m), dtype=np.uint8)
+    if m:
+        planes._split_into(want, a, k, transform)
+    got = np.empty(k * m, dtype=np.uint8)
+    planes._native.split(a, got, k, transform)
+    assert (got.reshape(k, m) == want).all()
+    out = bytearray(m * k)
+    planes._native.merge(out, [want[i] for i in range(k)], transform)
+    assert bytes(out) == data[: m * k]
+
+
+@NATIVE
+def test_c_split_and_merge_refuse_wrong_lengths_and_overlap():
+    """Lengths are checked before a byte moves: a ValueError names what is wrong, nothing is written."""
+    a = np.arange(64, dtype=np.uint8)
+    with pytest.raises(ValueError, match="element size 3"):
+        planes._native.split(a, np.empty(64, np.uint8), 3, 0)
+    with pytest.raises(ValueError, match="63 bytes of 4-byte elements"):
+        planes._native.split(a[:63], np.empty(63, np.uint8), 4, 0)
+    with pytest.raises(ValueError, match="into 60 bytes"):
+        planes._native.split(a, np.empty(60, np.uint8), 4, 0)
+    with pytest.raises(ValueError, match="overlap"):
+        planes._native.split(a, a, 4, 0)
+    with pytest.raises(ValueError, match="transform 2"):
+        planes._native.split(a, np.empty(64, np.uint8), 4, 2)
+    out = np.zeros(64, np.uint8)
+    with pytest.raises(ValueError, match="plane 2 holds 15 bytes, 16 expected"):
+        planes._native.merge(out, [a[:16], a[16:32], a[32:47], a[48:64]], 1)
+    with pytest.raises(ValueError, match="3 planes"):
+        planes._native.merge(out, [a[:16]] * 3, 0)
+    with pytest.raises(ValueError, match="overlaps"):
+        planes._native.merge(out, [out[:16], a[16:32], a[32:48], a[48:64]], 0)
+    with pytest.raises(TypeError):
+        planes._native.merge(bytes(64), [a[:16]] * 4, 0)          # a read-only destination
+    assert not out.any()
+
+
+def test_c_split_and_merge_are_built_where_a_compiler_was():
+    """The extension is optional at install (setup.py), so a broken build would only show as a slower codec:
+    where this machine has a C compiler and Python's headers, the installed package must have it."""
+    import os
+    import shutil
+    import sysconfig
+    if os.environ.get("CKPTSTORE_NATIVE") == "0":
+        pytest.skip("CKPTSTORE_NATIVE=0 turns the C split/merge off")
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not (shutil.which(sysconfig.get_config_var("CC").split()[0] if sysconfig.get_config_var("CC") else "cc")
+            and headers.exists()):
+        pytest.skip("no C compiler or Python headers here: the numpy split/merge is the one in use")
+    assert planes._native is not None, "ckptstore/format/_planes.c was not built: reinstall (pip install -e .)"
