@@ -5,6 +5,8 @@
  * split(src, dst, k, transform): the k byte planes of the m = len(src) / k elements of src into dst (k rows of m
  *     bytes: plane i = byte i of every element, little-endian), the top two regrouped for transform 1.
  * merge(dst, planes, transform): the inverse, from a sequence of k buffers of m bytes each (k = len(planes)).
+ * sample_stats(planes, k, piece): per plane, the sum of c log2 c over its sample's byte counts c, and the largest
+ *     count (planes.may_pay's order-0 entropy and runs tests).
  *
  * transform 1 (planes.EXPONENT): with T, U the top two bytes of an element, plane k-1 holds (T << 1 | U >> 7) &
  * 0xFF (the 8 bits after the sign: a float32 / bfloat16 exponent) and plane k-2 (U & 0x7F) | (T & 0x80).
@@ -21,6 +23,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 static void split2(const uint8_t *a, uint8_t *out, size_t m, int transform) {
@@ -240,7 +243,71 @@ done:
     return res;
 }
 
+/* sample_stats(planes, k, piece): for each of the k rows of planes (k * m bytes), over the whole row when
+ * m <= 4 * piece, else over 4 pieces of piece bytes starting at j * (m / 4), j = 0..3 (planes.may_pay's sample):
+ * (sum over byte values of c * log2(c) for the values' counts c, the largest count), as a tuple of k tuples. */
+static PyObject *sample_stats(PyObject *self, PyObject *args) {
+    Py_buffer src;
+    int k;
+    Py_ssize_t piece;
+    if (!PyArg_ParseTuple(args, "y*in:sample_stats", &src, &k, &piece))
+        return NULL;
+    PyObject *res = NULL;
+    if (k < 1 || k > 8 || src.len % k || piece < 1) {
+        PyErr_Format(PyExc_ValueError, "planes sample_stats: %zd bytes in %d planes, pieces of %zd", src.len, k,
+                     piece);
+        goto done;
+    }
+    uint32_t c[8][256];
+    double xlogx[8];
+    uint32_t top[8];
+    memset(c, 0, sizeof(c));
+    size_t m = (size_t)src.len / (size_t)k, p = (size_t)piece;
+    const uint8_t *a = (const uint8_t *)src.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (int i = 0; i < k; i++) {
+        const uint8_t *row = a + (size_t)i * m;
+        uint32_t *ci = c[i];
+        if (m <= 4 * p) {
+            for (size_t x = 0; x < m; x++)
+                ci[row[x]]++;
+        } else {
+            for (int j = 0; j < 4; j++) {
+                const uint8_t *q = row + (size_t)j * (m / 4);
+                for (size_t x = 0; x < p; x++)
+                    ci[q[x]]++;
+            }
+        }
+        double sum = 0.0;
+        uint32_t best = 0;
+        for (int v = 0; v < 256; v++) {
+            if (ci[v] > 1)
+                sum += (double)ci[v] * log2((double)ci[v]);
+            if (ci[v] > best)
+                best = ci[v];
+        }
+        xlogx[i] = sum;
+        top[i] = best;
+    }
+    Py_END_ALLOW_THREADS
+    res = PyTuple_New(k);
+    if (res == NULL)
+        goto done;
+    for (int i = 0; i < k; i++) {
+        PyObject *t = Py_BuildValue("(dI)", xlogx[i], top[i]);
+        if (t == NULL) {
+            Py_CLEAR(res);
+            goto done;
+        }
+        PyTuple_SET_ITEM(res, i, t);
+    }
+done:
+    PyBuffer_Release(&src);
+    return res;
+}
+
 static PyMethodDef methods[] = {
+    {"sample_stats", sample_stats, METH_VARARGS, "sample_stats(planes, k, piece): (sum c log2 c, top count) a plane."},
     {"split", split, METH_VARARGS, "split(src, dst, k, transform): the k byte planes of src's elements into dst."},
     {"merge", merge, METH_VARARGS, "merge(dst, planes, transform): the elements of k byte planes into dst."},
     {NULL, NULL, 0, NULL},

@@ -120,13 +120,34 @@ def _c_ctx(kind: str):
     return ctx
 
 
+_SCRATCH_MAX = 4 << 20              # bytes: larger planes get a buffer of their own each time
+
+
+def _scratch(slot: str, size: int) -> np.ndarray:
+    """A uint8 buffer of ``size`` bytes for a plane on its way (a zstd plane being written or read), this
+    thread's own and reused from call to call up to :data:`_SCRATCH_MAX` bytes (a fresh buffer costs its page
+    faults on every chunk: ~10% of decoding one, measured here); 4 slots a thread at most (``c``, ``r``: the
+    encoder's two searches, ``d0``, ``d1``: the decoder's top two planes), 16 MiB. Valid until
+    this thread asks for ``slot`` again."""
+    if size > _SCRATCH_MAX:
+        return np.empty(size, dtype=np.uint8)
+    bufs = getattr(_local, "scratch", None)
+    if bufs is None:
+        bufs = _local.scratch = {}
+    buf = bufs.get(slot)
+    if buf is None or buf.size < size:
+        buf = bufs[slot] = np.empty(max(size, 64 << 10), dtype=np.uint8)
+    return buf[:size]
+
+
 def _compress_plane(plane: np.ndarray, limit: int, runs: bool = False) -> Optional[np.ndarray]:
-    """``plane`` as one zstd frame when it fits in ``limit`` bytes, else ``None``; ``runs``: with the full match
-    search (:data:`_C_PARAMS_RUNS`)."""
+    """``plane`` as one zstd frame when it fits in ``limit`` bytes, else ``None`` (the frame in this thread's
+    scratch: valid until the next call with the same ``runs``); ``runs``: with the full match search
+    (:data:`_C_PARAMS_RUNS`)."""
     if _lib is None:
         packed = zstandard.ZstdCompressor(compression_params=_PARAMS).compress(plane)
         return packed if len(packed) <= limit else None
-    dst = np.empty(max(limit, 1), dtype=np.uint8)
+    dst = _scratch("r" if runs else "c", max(limit, 1))
     r = _lib.ZSTD_compress2(_c_ctx("r" if runs else "c"), _ffi.from_buffer(dst), limit, _ffi.from_buffer(plane),
                             plane.size)
     if _lib.ZSTD_isError(r):
@@ -169,18 +190,32 @@ def may_pay(planes: np.ndarray):
     float's low mantissa bytes: 7.99 bits each) has nothing for zstd to find; this costs a few microseconds where
     compressing a 64 KiB sample cost 40-250 (measured here)."""
     k, m = planes.shape
+    n = min(m, 4 * _HIST_SAMPLE)
+    pays, runs = [], []
+    for xlogx, top in _sample_stats(planes):
+        bits = _XLOG2[n] - xlogx                          # n H: the sample's order-0 information
+        pays.append(bits / 8 + _CODER_BYTES * n / m <= MIN_GAIN * n)
+        runs.append((top * 2 > n) + (top * 10 >= 9 * n))
+    return pays, runs
+
+
+def _sample_stats(planes: np.ndarray):
+    """Per row of ``planes`` (uint8, ``k`` x ``m``, C-contiguous), over its whole bytes up to ``4 *
+    _HIST_SAMPLE``, else 4 pieces of :data:`_HIST_SAMPLE` bytes starting at ``j * (m // 4)``: (the sum of ``c
+    log2 c`` over the byte values' counts ``c``, the largest count). In C where built (one pass, ~1 us for a small
+    chunk where numpy's dozen calls cost ~25 us), else one numpy ``bincount``."""
+    k, m = planes.shape
+    if _native is not None:
+        return _native.sample_stats(planes, k, _HIST_SAMPLE)
     if m <= 4 * _HIST_SAMPLE:
         s = planes
     else:
         step = m // 4
         s = np.concatenate([planes[:, i * step: i * step + _HIST_SAMPLE] for i in range(4)], axis=1)
-    n = s.shape[1]
     idx = s.astype(np.intp)
     idx += (np.arange(k, dtype=np.intp) * 256)[:, None]
     c = np.bincount(idx.ravel(), minlength=256 * k).reshape(k, 256)
-    bits = _XLOG2[n] - _XLOG2[c].sum(axis=1)                # n H: the sample's order-0 information
-    top = c.max(axis=1)
-    return bits / 8 + _CODER_BYTES * n / m <= MIN_GAIN * n, (top * 2 > n) + (top * 10 >= 9 * n) * 1
+    return list(zip(_XLOG2[c].sum(axis=1).tolist(), c.max(axis=1).tolist()))
 
 
 _BLOCK = 1 << 16                    # elements per block of the split / merge: the block's bytes stay in cache
@@ -249,9 +284,9 @@ def _compress_planes(buf: np.ndarray, body: np.ndarray, pos: int, transform: int
     zstd or raw, the later ones moved down over what compression saved. Returns (plane headers, end)."""
     k, m = body.shape
     start, heads = pos, []
-    if m and m <= 4 * _HIST_SAMPLE and transform == EXPONENT:
-        tries = runs = [i >= k - 2 for i in range(k)]     # small floats: the top two planes, both searches
-    else:                                                 # (a histogram costs more than compressing them)
+    if m and m <= 4 * _HIST_SAMPLE and transform == EXPONENT and _native is None:
+        tries = runs = [i >= k - 2 for i in range(k)]     # small floats: the top two planes, both searches (a
+    else:                                                 # numpy histogram costs more than compressing them)
         tries, runs = may_pay(body) if m else (None, None)
     for i in range(k):
         plane = body[i]
@@ -404,7 +439,10 @@ def decode_into(frame, out: memoryview) -> None:
     for i, (method, stored) in enumerate(planes):
         src = np.frombuffer(mv[pos: pos + stored], dtype=np.uint8)
         if method == ZSTD:
-            plane = o[:m] if k == 1 else np.empty(m, dtype=np.uint8)
+            if k == 1:
+                plane = o[:m]
+            else:                                         # the top two planes (a float's compressible ones)
+                plane = _scratch(f"d{k - 1 - i}", m) if i >= k - 2 else np.empty(m, dtype=np.uint8)
             if _zstd_into(src, memoryview(plane)) != m:
                 raise FrameError(f"planes frame: plane {i} decodes to fewer than its {m} bytes")
             src = plane

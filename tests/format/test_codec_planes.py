@@ -494,3 +494,21 @@ def test_c_split_and_merge_are_built_where_a_compiler_was():
             and headers.exists()):
         pytest.skip("no C compiler or Python headers here: the numpy split/merge is the one in use")
     assert planes._native is not None, "ckptstore/format/_planes.c was not built: reinstall (pip install -e .)"
+
+
+@NATIVE
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 20_000), k=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 2 ** 32 - 1),
+       spread=st.sampled_from([1, 4, 256]))
+def test_c_sample_statistics_equal_the_numpy_ones(m, k, seed, spread):
+    """may_pay's decision comes from the same numbers either way: the C sample (whole rows up to 4 KiB, else 4
+    pieces of 1 KiB) gives numpy's byte counts' sum of c log2 c and largest count."""
+    rows = np.random.default_rng(seed).integers(0, spread, (k, m), dtype=np.uint8)
+    got = planes._sample_stats(rows)
+    native, planes._native = planes._native, None
+    try:
+        want = planes._sample_stats(rows)
+    finally:
+        planes._native = native
+    assert [t for _, t in got] == [t for _, t in want]
+    assert np.allclose([x for x, _ in got], [x for x, _ in want], rtol=1e-12, atol=1e-9)
