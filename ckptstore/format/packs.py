@@ -23,16 +23,18 @@ from __future__ import annotations
 
 import mmap
 import threading
+import uuid
 from collections import defaultdict
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import blake3
 import zstandard
 
 from .blobs import decode_into, digest_bytes, encode_chunk, pack_intact, read_verified, zstd_claim_possible
 from ..util.errors import CorruptCheckpointError, DamagedRead
-from .layout import pack_path
+from .layout import PACKS, pack_path
 from . import planes
 from .manifest import ChunkRef
 
@@ -125,16 +127,20 @@ def _close(buf: mmap.mmap) -> None:
 
 
 def write_pack(storage, chunks: Sequence[tuple], *, codec: str, level: int,
-               buffers: PackBuffers, encoded: Optional[Sequence[tuple]] = None) -> Tuple[List[ChunkRef], int]:
+               buffers: PackBuffers, encoded=None) -> Tuple[List[ChunkRef], int]:
     """Assemble ``chunks`` (``(chunk id, raw bytes)`` or ``(chunk id, raw bytes, float element size or None)``,
     ids already computed) into one pack and store it (create-only: an identical pack already present is not
-    written again). Each chunk is encoded as :func:`~ckptstore.format.blobs.encode_chunk` chooses for ``codec``,
-    unless ``encoded`` gives its ``(codec used, stored bytes)`` already (in the same order: the writer encodes
-    the chunks of a pack in parallel, ahead of its write).
+    replaced). Each chunk is encoded as :func:`~ckptstore.format.blobs.encode_chunk` chooses for ``codec``,
+    unless ``encoded`` gives its ``(codec used, stored bytes)``: a sequence in the chunks' order, or a function
+    of the chunk's index returning them as they become ready (the writer encodes a pack's chunks in parallel:
+    then the pack is streamed to the storage chunk by chunk, :meth:`~ckptstore.storage.base.Storage.open_new`,
+    so the disk writes the first chunks while the last are still being encoded, and hashed as it goes).
 
     Returns the chunks' references (in order) and the bytes written (0 when the pack existed). The caller makes
     the pack durable (``storage.sync``) before a manifest names it. Raises ``OSError`` from the storage.
     """
+    if callable(encoded):
+        return _stream_pack(storage, chunks, encoded)
     raw_total = sum(len(c[1]) for c in chunks)
     buf = buffers.take(raw_total)
     mv = memoryview(buf)
@@ -167,6 +173,35 @@ def write_pack(storage, chunks: Sequence[tuple], *, codec: str, level: int,
             body.release()                    # the buffer is reused, and an mmap with views cannot close
         mv.release()
         buffers.give(buf)
+    refs = [ChunkRef(cid, n, used, pack_id, o, k) for cid, n, used, o, k in placed]
+    return refs, (off if wrote else 0)
+
+
+def _stream_pack(storage, chunks: Sequence[tuple], encoded) -> Tuple[List[ChunkRef], int]:
+    """:func:`write_pack` of chunks whose stored bytes ``encoded(i)`` gives in order: each written to a new
+    file (in a random ``packs/<xx>/`` folder: a stale one is a temp file garbage collection removes) and hashed
+    as it comes (BLAKE3 is incremental: the same id as hashing the whole), then the file linked under the pack's
+    name; where that name exists and is not intact, renamed over it."""
+    out = storage.open_new(f"{PACKS}/{uuid.uuid4().hex[:2]}")
+    try:
+        hasher = blake3.blake3()
+        placed = []
+        off = 0
+        for i, (chunk_id, view, *_) in enumerate(chunks):
+            used, payload = encoded(i)
+            k = len(payload)
+            hasher.update(payload)
+            out.write(payload)
+            placed.append((chunk_id, len(view), used, off, k))
+            off += k
+        pack_id = hasher.hexdigest()
+        path = pack_path(pack_id)
+        wrote = out.link(path)
+        if not wrote and not pack_intact(storage, pack_id, off):
+            out.replace(path)               # as write_pack: a damaged pack of this name is never referenced
+            wrote = True
+    finally:
+        out.discard()
     refs = [ChunkRef(cid, n, used, pack_id, o, k) for cid, n, used, o, k in placed]
     return refs, (off if wrote else 0)
 

@@ -185,8 +185,10 @@ def _pack_small(small, results, blobs, index, packing, buffers, codec, level, ex
     With a codec, the new chunks are encoded by the executor in batches of ~1 MiB, submitted before the pack
     writes: a pack holds up to ``packing.target_size`` (64 MiB) of chunks, and encoding them inside its one write
     task left every other worker idle (a state of small tensors is one pack: its whole encode ran on one core).
-    A pack write waits for its chunks' encodes; those were queued first (the pool runs tasks in order), so they
-    are running or done and the wait cannot deadlock."""
+    With a codec, this thread writes the packs, one after the other, each streamed chunk by chunk as its encodes
+    finish (:func:`~ckptstore.format.packs.write_pack` with ``encoded`` a function): the disk writes the first
+    chunks of a pack while the pool still encodes the last (a pack task queued behind the encodes started only
+    once they all had: encode, then write, measured here). Raw packs are written by the pool, in parallel."""
     views = [v for _, _, v, _ in small]
     ids = [i for f in [executor.submit(hash_batch, b) for b in _batches(views, len)] for i in f.result()]
     new: Dict[str, tuple] = {}                       # chunk id -> (bytes, float element size), first occurrence
@@ -210,16 +212,18 @@ def _pack_small(small, results, blobs, index, packing, buffers, codec, level, ex
                 encoding.update((i, (f, j)) for j, i in enumerate(batch))
 
         def one_pack(group):
-            encoded = [encoding[i][0].result()[encoding[i][1]] for i in group] if encoding else None
+            def encoded(j):                      # streamed: the pack is written while later chunks encode
+                f, at = encoding[group[j]]
+                return f.result()[at]
             t0 = time.perf_counter()
             refs, wrote = write_pack(blobs.storage, [items[i] for i in group], codec=codec, level=level,
-                                     buffers=buffers, encoded=encoded)
+                                     buffers=buffers, encoded=encoded if encoding else None)
             account(wrote, 0.0, time.perf_counter() - t0, len(group))
             return refs
-        packs = [executor.submit(one_pack, g) for g in groups]
+        packs = [] if encoding else [executor.submit(one_pack, g) for g in groups]
         try:
-            for f in packs:
-                for r in f.result():
+            for refs in ([one_pack(g) for g in groups] if encoding else (f.result() for f in packs)):
+                for r in refs:
                     placed[r.blob_id] = r
         finally:                                 # on an error too: no task may still touch the views after this
             wait(packs + list({id(f): f for f, _ in encoding.values()}.values()))

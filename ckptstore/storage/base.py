@@ -179,6 +179,15 @@ class Storage(ABC):
         self.write_atomic(path, data)
         return True
 
+    def open_new(self, folder: str) -> "NewFile":
+        """A file written piece by piece and named once whole (a pack is named by the hash of its bytes, known
+        only after the last piece), its temp file (where there is one) in store folder ``folder`` (one garbage
+        collection sweeps temp files from): :meth:`NewFile.write` the pieces, then :meth:`NewFile.link` (create-only,
+        as :meth:`write_new`) or :meth:`NewFile.replace` (as :meth:`write_atomic`), and :meth:`NewFile.discard`
+        in any case. Default: the pieces gathered in memory, then one :meth:`write_new` / :meth:`write_atomic`;
+        a local disk streams them to a temp file instead (:class:`~ckptstore.storage.local.LocalStorage`)."""
+        return NewFile(self, folder)
+
     # -- whole files ----------------------------------------------------------------------------------------
     def put_file(self, path: str, local_file: str) -> None:
         """Upload a local file to ``path`` (object stores: multipart, parallel, bounded memory)."""
@@ -218,3 +227,33 @@ class Storage(ABC):
 
     def close(self) -> None:
         pass
+
+
+class NewFile:
+    """What :meth:`Storage.open_new` returns: the pieces gathered in memory (a local disk's subclass streams them
+    to a temp file). Not thread-safe: one writer."""
+
+    def __init__(self, storage: Storage, folder: str = ""):
+        self._storage = storage
+        self._parts: Optional[list] = []
+        self.size = 0                           # bytes written so far
+
+    def write(self, data: Buffer) -> None:
+        """Append ``data`` (copied: the caller may reuse it once this returns)."""
+        self._parts.append(bytes(data))
+        self.size += len(self._parts[-1])
+
+    def link(self, path: str) -> bool:
+        """Create ``path`` with the bytes written, if it does not exist (as :meth:`Storage.write_new`: durable
+        once :meth:`Storage.sync` returns). False when it exists: nothing is replaced, and the bytes are kept
+        for :meth:`replace` until :meth:`discard`."""
+        return self._storage.write_new(path, b"".join(self._parts))
+
+    def replace(self, path: str) -> None:
+        """Create or replace ``path`` with the bytes written, atomically and durably (as
+        :meth:`Storage.write_atomic`)."""
+        self._storage.write_atomic(path, b"".join(self._parts))
+
+    def discard(self) -> None:
+        """Drop what is left (idempotent; after :meth:`link` or :meth:`replace` too)."""
+        self._parts = None

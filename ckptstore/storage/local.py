@@ -23,7 +23,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from .base import Buffer, NotRegularFileError, Storage
+from .base import Buffer, NewFile, NotRegularFileError, Storage
 
 ALIGN = 4096
 DIRECT_MIN_BYTES = 1 << 20          # below this, O_DIRECT's bookkeeping is not worth it
@@ -326,6 +326,12 @@ class LocalStorage(Storage):
             self._unsynced.add(full)
         return True
 
+    def open_new(self, folder: str) -> "LocalNewFile":
+        """See :meth:`Storage.open_new`: the pieces streamed to a temp file in ``folder`` (garbage collection
+        removes it if this process dies before it is named), through O_DIRECT where large writes use it, then
+        linked under its name (create-only) or renamed over it."""
+        return LocalNewFile(self, folder)
+
     conditional_writes = True
 
     def adopt(self, path: str, size: Optional[int] = None) -> bool:
@@ -541,6 +547,109 @@ def atomic_file(path, *, prefix: Optional[str] = None, suffix: str = ""):
         _fsync_dir(d)
     except OSError:
         pass
+
+
+class LocalNewFile(NewFile):
+    """:meth:`LocalStorage.open_new`'s file: pieces gathered in this thread's page-aligned bounce buffer and
+    written in pieces of up to :data:`BOUNCE_BYTES` (O_DIRECT where the storage uses it: the disk writes while
+    the caller goes on producing the next pieces), to ``<folder>/new.tmp-<pid>-<random>``, then linked
+    (create-only, as :meth:`LocalStorage.write_new`: the name durable after :meth:`LocalStorage.sync`) or renamed
+    (as :meth:`LocalStorage.write_atomic`)."""
+
+    def __init__(self, storage: "LocalStorage", folder: str):
+        super().__init__(storage, folder)
+        self._parts = None
+        full = storage._abs(f"{folder}/new.tmp-{os.getpid()}-{uuid.uuid4().hex[:10]}")
+        storage._ensure_parent(full)
+        self.tmp: Optional[str] = full
+        self._direct = storage._direct
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        try:
+            self._fd: Optional[int] = os.open(full, flags | (_O_DIRECT if self._direct else 0), 0o644)
+        except OSError as e:
+            if not self._direct or e.errno != errno.EINVAL:
+                raise
+            storage._direct = self._direct = False    # a filesystem without O_DIRECT (tmpfs)
+            self._fd = os.open(full, flags, 0o644)
+        self._buf = memoryview(storage._bounce(BOUNCE_BYTES))
+        self._fill = 0
+
+    def write(self, data: Buffer) -> None:
+        mv = memoryview(data).cast("B")
+        off, n = 0, len(mv)
+        while off < n:
+            k = min(n - off, len(self._buf) - self._fill)
+            self._buf[self._fill: self._fill + k] = mv[off: off + k]
+            self._fill += k
+            off += k
+            if self._fill == len(self._buf):
+                self._flush()
+        self.size += n
+
+    def _flush(self) -> None:
+        """Write the bounce buffer out (a whole number of pages while more may follow)."""
+        if self._fill:
+            _write_loop(self._fd, self._buf[: self._fill])
+            self._fill = 0
+
+    def _finish(self) -> str:
+        """Write what is left (O_DIRECT: padded to a page, then the file cut to its size), close; the temp path."""
+        if self._fd is None:
+            raise ValueError("this new file was discarded")
+        try:
+            if self._fill:
+                padded = -(-self._fill // ALIGN) * ALIGN if self._direct else self._fill
+                if padded > self._fill:
+                    self._buf[self._fill: padded] = bytes(padded - self._fill)
+                _write_loop(self._fd, self._buf[:padded])
+                if padded > self._fill:
+                    os.ftruncate(self._fd, self.size)
+                self._fill = 0
+        finally:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+        return self.tmp
+
+    def link(self, path: str) -> bool:
+        storage = self._storage
+        full = storage._abs(path)
+        tmp = self._finish() if self._fd is not None else self.tmp
+        storage._ensure_parent(full)
+        try:
+            os.link(tmp, full)
+        except FileExistsError:
+            return False
+        _unlink_quiet(tmp)
+        self.tmp = None
+        with storage._lock:
+            storage._unsynced.add(full)
+        return True
+
+    def replace(self, path: str) -> None:
+        storage = self._storage
+        full = storage._abs(path)
+        tmp = self._finish() if self._fd is not None else self.tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        storage._ensure_parent(full)
+        os.replace(tmp, full)
+        self.tmp = None
+        _fsync_dir(os.path.dirname(full))
+        storage._flush_dirs()
+
+    def discard(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+        if self.tmp is not None:
+            _unlink_quiet(self.tmp)
+            self.tmp = None
+        if self._buf is not None:
+            self._buf.release()                     # the bounce buffer is this thread's, reused
+            self._buf = None
 
 
 def _write_loop(fd: int, mv: memoryview) -> None:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 from ..util.retry import Outage, RetryPolicy, current_operation, is_transient
 from ..util.threads import DaemonPool
-from .base import BytesReads
+from .base import BytesReads, NewFile
 
 T = TypeVar("T")
 
@@ -67,6 +67,11 @@ class RetryingStorage(BytesReads):
         of the whole is abandoned after ``op_timeout`` seconds, the calls inside it are not retried on their
         own, and with ``attempts`` it is tried at most that many times."""
         return self.policy.call(fn, what, executor=_ATTEMPTS, attempts=attempts)
+
+    def open_new(self, folder: str) -> NewFile:
+        """See :meth:`~ckptstore.storage.base.Storage.open_new`: gathered in memory, then one governed
+        ``write_new`` / ``write_atomic`` (never the wrapped storage's own, which would not be retried)."""
+        return NewFile(self, folder)
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.storage, name)
