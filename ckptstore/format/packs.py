@@ -127,20 +127,17 @@ def _close(buf: mmap.mmap) -> None:
 
 
 def write_pack(storage, chunks: Sequence[tuple], *, codec: str, level: int,
-               buffers: PackBuffers, encoded=None) -> Tuple[List[ChunkRef], int]:
+               buffers: PackBuffers, encoded: Optional[Sequence[tuple]] = None) -> Tuple[List[ChunkRef], int]:
     """Assemble ``chunks`` (``(chunk id, raw bytes)`` or ``(chunk id, raw bytes, float element size or None)``,
     ids already computed) into one pack and store it (create-only: an identical pack already present is not
-    replaced). Each chunk is encoded as :func:`~ckptstore.format.blobs.encode_chunk` chooses for ``codec``,
-    unless ``encoded`` gives its ``(codec used, stored bytes)``: a sequence in the chunks' order, or a function
-    of the chunk's index returning them as they become ready (the writer encodes a pack's chunks in parallel:
-    then the pack is streamed to the storage chunk by chunk, :meth:`~ckptstore.storage.base.Storage.open_new`,
-    so the disk writes the first chunks while the last are still being encoded, and hashed as it goes).
+    written again). Each chunk is encoded as :func:`~ckptstore.format.blobs.encode_chunk` chooses for ``codec``,
+    unless ``encoded`` gives its ``(codec used, stored bytes)`` already (in the same order). The pack is
+    assembled in a buffer of ``buffers`` and hashed as a whole (threads); :class:`PackStream` writes one chunk
+    by chunk instead, as they come.
 
     Returns the chunks' references (in order) and the bytes written (0 when the pack existed). The caller makes
     the pack durable (``storage.sync``) before a manifest names it. Raises ``OSError`` from the storage.
     """
-    if callable(encoded):
-        return _stream_pack(storage, chunks, encoded)
     raw_total = sum(len(c[1]) for c in chunks)
     buf = buffers.take(raw_total)
     mv = memoryview(buf)
@@ -177,33 +174,49 @@ def write_pack(storage, chunks: Sequence[tuple], *, codec: str, level: int,
     return refs, (off if wrote else 0)
 
 
-def _stream_pack(storage, chunks: Sequence[tuple], encoded) -> Tuple[List[ChunkRef], int]:
-    """:func:`write_pack` of chunks whose stored bytes ``encoded(i)`` gives in order: each written to a new
-    file (in a random ``packs/<xx>/`` folder: a stale one is a temp file garbage collection removes) and hashed
-    as it comes (BLAKE3 is incremental: the same id as hashing the whole), then the file linked under the pack's
-    name; where that name exists and is not intact, renamed over it."""
-    out = storage.open_new(f"{PACKS}/{uuid.uuid4().hex[:2]}")
-    try:
-        hasher = blake3.blake3()
-        placed = []
-        off = 0
-        for i, (chunk_id, view, *_) in enumerate(chunks):
-            used, payload = encoded(i)
-            k = len(payload)
-            hasher.update(payload)
-            out.write(payload)
-            placed.append((chunk_id, len(view), used, off, k))
-            off += k
-        pack_id = hasher.hexdigest()
+class PackStream:
+    """One pack written chunk by chunk as the chunks' stored bytes come (the writer's chunks are encoded by a
+    pool while it writes: the disk takes the first chunks of a pack while the last are still being encoded):
+    each :meth:`add` ed chunk is hashed (BLAKE3 is incremental: the same id as hashing the whole) and written
+    to a new file (:meth:`~ckptstore.storage.base.Storage.open_new`, in a random ``packs/<xx>/`` folder, so a
+    process that dies leaves a temp file garbage collection removes); :meth:`finish` names it, create-only as
+    :func:`write_pack` (a damaged pack of that name is replaced, never referenced). :meth:`discard` in any case.
+    Not thread-safe: one writer."""
+
+    def __init__(self, storage):
+        self._storage = storage
+        self._out = storage.open_new(f"{PACKS}/{uuid.uuid4().hex[:2]}")
+        self._hasher = blake3.blake3()
+        self._placed: List[tuple] = []
+        self.size = 0                           # stored bytes so far
+        self.raw_bytes = 0                      # raw bytes of the chunks so far
+        self.chunks = 0
+
+    def add(self, chunk_id: str, nbytes: int, used: str, payload) -> None:
+        """Append one chunk: its id, raw length, codec used and stored bytes (written before this returns)."""
+        k = len(payload)
+        self._hasher.update(payload)
+        self._out.write(payload)
+        self._placed.append((chunk_id, nbytes, used, self.size, k))
+        self.size += k
+        self.raw_bytes += nbytes
+        self.chunks += 1
+
+    def finish(self) -> Tuple[List[ChunkRef], int]:
+        """Name the pack; its chunks' references (in order) and the bytes written (0: the pack existed). The
+        caller makes it durable (``storage.sync``) before a manifest names it. Raises ``OSError``."""
+        pack_id = self._hasher.hexdigest()
         path = pack_path(pack_id)
-        wrote = out.link(path)
-        if not wrote and not pack_intact(storage, pack_id, off):
-            out.replace(path)               # as write_pack: a damaged pack of this name is never referenced
+        wrote = self._out.link(path)
+        if not wrote and not pack_intact(self._storage, pack_id, self.size):
+            self._out.replace(path)
             wrote = True
-    finally:
-        out.discard()
-    refs = [ChunkRef(cid, n, used, pack_id, o, k) for cid, n, used, o, k in placed]
-    return refs, (off if wrote else 0)
+        return [ChunkRef(cid, n, used, pack_id, o, k) for cid, n, used, o, k in self._placed], \
+            (self.size if wrote else 0)
+
+    def discard(self) -> None:
+        """Remove what was written and not named (idempotent)."""
+        self._out.discard()
 
 
 # -- reading ----------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 from ..format.blobs import BlobStore, digest_bytes, encode_chunk
 from ..format.index import ChunkIndex
 from ..format.manifest import ChunkRef
-from ..format.packs import PackBuffers, Packing, plan_packs, write_pack
+from ..format.packs import PackBuffers, PackStream, Packing, plan_packs, write_pack
 from ..format.planes import float_itemsize
 from .deltas import put_chunk
 from .snapshot import ArraySpec
@@ -182,13 +182,10 @@ def _batches(items: list, size, limit: int = _HASH_BATCH_BYTES) -> List[list]:
 def _pack_small(small, results, blobs, index, packing, buffers, codec, level, executor, hash_batch, account):
     """Hash the small chunks (batched), reuse those the store has, pack the rest; fill ``results`` in place.
 
-    With a codec, the new chunks are encoded by the executor in batches of ~1 MiB, submitted before the pack
-    writes: a pack holds up to ``packing.target_size`` (64 MiB) of chunks, and encoding them inside its one write
-    task left every other worker idle (a state of small tensors is one pack: its whole encode ran on one core).
-    With a codec, this thread writes the packs, one after the other, each streamed chunk by chunk as its encodes
-    finish (:func:`~ckptstore.format.packs.write_pack` with ``encoded`` a function): the disk writes the first
-    chunks of a pack while the pool still encodes the last (a pack task queued behind the encodes started only
-    once they all had: encode, then write, measured here). Raw packs are written by the pool, in parallel."""
+    Raw: the chunks are hashed in batches of ~4 MiB, then the new ones are written in packs of about
+    ``packing.target_size``, by the pool in parallel. With a codec: :func:`_pack_encoded`."""
+    if codec != "raw":
+        return _pack_encoded(small, results, blobs, index, packing, codec, level, executor, account)
     views = [v for _, _, v, _ in small]
     ids = [i for f in [executor.submit(hash_batch, b) for b in _batches(views, len)] for i in f.result()]
     new: Dict[str, tuple] = {}                       # chunk id -> (bytes, float element size), first occurrence
@@ -199,33 +196,82 @@ def _pack_small(small, results, blobs, index, packing, buffers, codec, level, ex
     placed: Dict[str, ChunkRef] = {}
     if new:
         items = [(cid, v, itemsize) for cid, (v, itemsize) in new.items()]
-        groups = plan_packs([len(v) for _, v, _ in items], packing.target_size)
-        encoding: Dict[int, tuple] = {}                  # item index -> (future of its batch, index in the batch)
-        if codec != "raw":
-            def encode_batch(batch):
-                t0 = time.perf_counter()
-                out = [encode_chunk(items[i][1], codec, level, items[i][2]) for i in batch]
-                account(0, 0.0, time.perf_counter() - t0)
-                return out
-            for batch in _batches(list(range(len(items))), lambda i: len(items[i][1]), _ENCODE_BATCH_BYTES):
-                f = executor.submit(encode_batch, batch)
-                encoding.update((i, (f, j)) for j, i in enumerate(batch))
 
         def one_pack(group):
-            def encoded(j):                      # streamed: the pack is written while later chunks encode
-                f, at = encoding[group[j]]
-                return f.result()[at]
             t0 = time.perf_counter()
             refs, wrote = write_pack(blobs.storage, [items[i] for i in group], codec=codec, level=level,
-                                     buffers=buffers, encoded=encoded if encoding else None)
+                                     buffers=buffers)
             account(wrote, 0.0, time.perf_counter() - t0, len(group))
             return refs
-        packs = [] if encoding else [executor.submit(one_pack, g) for g in groups]
+        packs = [executor.submit(one_pack, g) for g in plan_packs([len(v) for _, v, _ in items],
+                                                                  packing.target_size)]
         try:
-            for refs in ([one_pack(g) for g in groups] if encoding else (f.result() for f in packs)):
-                for r in refs:
+            for f in packs:
+                for r in f.result():
                     placed[r.blob_id] = r
         finally:                                 # on an error too: no task may still touch the views after this
-            wait(packs + list({id(f): f for f, _ in encoding.values()}.values()))
+            wait(packs)
     for (si, ci, v, _), cid in zip(small, ids):
+        results[si][ci] = placed.get(cid) or index.get(cid)
+
+
+def _pack_encoded(small, results, blobs, index, packing, codec, level, executor, account):
+    """:func:`_pack_small` with a codec: the pool hashes the chunks in batches of ~1 MiB and, in the same task,
+    encodes those the store does not have (while their bytes are in cache), and this thread streams the new
+    chunks, in order and as their batches finish, into packs (:class:`~ckptstore.format.packs.PackStream`,
+    grouped as :func:`~ckptstore.format.packs.plan_packs` groups them): the disk writes the first chunks while
+    the pool still hashes and encodes the last. Before (hash all, then encode all, then write each pack whole)
+    a blocking save with ``codec="auto"`` took 1.4x a raw one here; see benchmarks/README.md "bench_codec.py".
+    A chunk met twice in one save is encoded twice, stored once."""
+    def hash_and_encode(lo: int, hi: int):
+        t0 = time.perf_counter()
+        ids = [digest_bytes(small[i][2]) for i in range(lo, hi)]
+        t1 = time.perf_counter()
+        enc = [None if index is not None and index.get(cid) is not None
+               else encode_chunk(small[i][2], codec, level, small[i][3]) for i, cid in zip(range(lo, hi), ids)]
+        account(0, t1 - t0, time.perf_counter() - t1)
+        return ids, enc
+
+    bounds, lo, size = [], 0, 0
+    for i, (_, _, v, _) in enumerate(small):
+        size += len(v)
+        if size >= _ENCODE_BATCH_BYTES or i == len(small) - 1:
+            bounds.append((lo, i + 1))
+            lo, size = i + 1, 0
+    futures = [executor.submit(hash_and_encode, lo, hi) for lo, hi in bounds]
+    ids: List[Optional[str]] = [None] * len(small)
+    placed: Dict[str, ChunkRef] = {}
+    packed = set()                                   # chunk ids in a pack of this save
+    stream = None
+
+    def finish(st) -> None:
+        t0 = time.perf_counter()
+        refs, wrote = st.finish()
+        account(wrote, 0.0, time.perf_counter() - t0, st.chunks)
+        placed.update((r.blob_id, r) for r in refs)
+    try:
+        for f, (lo, hi) in zip(futures, bounds):
+            got, enc = f.result()
+            for i, cid, e in zip(range(lo, hi), got, enc):
+                ids[i] = cid
+                if e is None or cid in packed:
+                    continue
+                packed.add(cid)
+                n = len(small[i][2])
+                if stream is not None and stream.chunks and stream.raw_bytes + n > packing.target_size:
+                    finish(stream)
+                    stream.discard()
+                    stream = None
+                if stream is None:
+                    stream = PackStream(blobs.storage)
+                t0 = time.perf_counter()
+                stream.add(cid, n, *e)
+                account(0, 0.0, time.perf_counter() - t0)
+        if stream is not None:
+            finish(stream)
+    finally:                                     # on an error too: no task may still touch the views after this
+        if stream is not None:
+            stream.discard()
+        wait(futures)
+    for (si, ci, _, _), cid in zip(small, ids):
         results[si][ci] = placed.get(cid) or index.get(cid)

@@ -94,38 +94,59 @@ def _chunks(n=40, seed=0):
 
 
 def test_a_streamed_pack_is_the_pack_written_whole(tmp_path):
-    """write_pack with its chunks' stored bytes given as they become ready (the writer's streaming path) gives
-    the same pack, byte for byte and by name, as with them given all at once, and the same references."""
+    """A PackStream (the writer's path with a codec: chunks added as their encodes finish) gives the same pack,
+    byte for byte and by name, as write_pack with every chunk at hand, and the same references."""
     from ckptstore.format.blobs import encode_chunk
     chunks = _chunks()
     enc = [encode_chunk(v, "auto", 1, k) for _, v, k in chunks]
     assert {u for u, _ in enc} == {"planes"}
     a, b = LocalStorage(str(tmp_path / "a")), LocalStorage(str(tmp_path / "b"))
-    asked = []
 
-    def one_by_one(i):
-        asked.append(i)
-        return enc[i]
+    def streamed():
+        st = packs.PackStream(b)
+        try:
+            for (cid, v, _), (used, payload) in zip(chunks, enc):
+                st.add(cid, len(v), used, payload)
+            return st.finish()
+        finally:
+            st.discard()
     refs_a, wrote_a = packs.write_pack(a, chunks, codec="auto", level=1, buffers=packs.PackBuffers(), encoded=enc)
-    refs_b, wrote_b = packs.write_pack(b, chunks, codec="auto", level=1, buffers=packs.PackBuffers(),
-                                       encoded=one_by_one)
-    assert asked == list(range(len(chunks)))           # in order, each once
+    refs_b, wrote_b = streamed()
     assert refs_a == refs_b and wrote_a == wrote_b == sum(len(p) for _, p in enc)
     path = pack_path(refs_a[0].pack)
     assert a.read_bytes(path) == b.read_bytes(path)
     assert digest_bytes(b.read_bytes(path)) == refs_b[0].pack
 
     # the same pack again: not rewritten (0 bytes); a damaged one of that name is replaced by the right bytes
-    assert packs.write_pack(b, chunks, codec="auto", level=1, buffers=packs.PackBuffers(),
-                            encoded=one_by_one) == (refs_b, 0)
+    assert streamed() == (refs_b, 0)
     full = Path(b.local_path(path))
     good = full.read_bytes()
     os.chmod(full, 0o644)
     full.write_bytes(good[:100] + bytes([good[100] ^ 1]) + good[101:])
-    assert packs.write_pack(b, chunks, codec="auto", level=1, buffers=packs.PackBuffers(),
-                            encoded=one_by_one)[1] == len(good)
+    assert streamed()[1] == len(good)
     assert full.read_bytes() == good
     assert not [p for p in Path(b.local_path("")).rglob("*.tmp-*")]
+
+
+def test_a_save_streams_several_packs_and_loads(tmp_path):
+    """With a codec, the save's small chunks go to packs of about ``target_size`` in order, each streamed as its
+    chunks' batches finish: several packs, each hashing to its name, every tensor back bit for bit."""
+    from ckptstore import Packing
+    g = torch.Generator().manual_seed(3)
+    state = {f"t{i}": torch.randn(30_000 + 7 * i, generator=g) * 0.02 for i in range(40)}     # ~120 KiB each
+    state["dup"] = state["t3"].clone()                 # the same bytes twice: stored once
+    with Store(tmp_path, writing=Writing(codec="auto", packing=Packing(threshold=1 << 20, target_size=1 << 20))) \
+            as s:
+        s.save(state, 1)
+        m = s.catalog.read_manifest(s.catalog.read_commit(1), 0)
+        refs = {"/".join(map(str, n.path)): e.chunks[0] for n, e in m.arrays()}
+        pack_ids = {r.pack for r in refs.values()}
+        assert len(pack_ids) >= 4 and None not in pack_ids
+        assert refs["dup"] == refs["t3"]
+        for pid in pack_ids:
+            assert digest_bytes(s.storage.read_bytes(pack_path(pid))) == pid
+        assert bits_equal(s.load(1), state) and s.verify() == {1: None}
+    assert not list(tmp_path.rglob("*.tmp-*"))
 
 
 def test_a_save_that_dies_mid_pack_leaves_a_temp_file_gc_removes(tmp_path, monkeypatch):
