@@ -15,15 +15,21 @@ does, at a cost of a few passes over two planes instead of two over the whole ch
 frame or raw, whichever is smaller; only planes whose sampled byte histogram (4 x 1 KiB) promises >= 3% are
 compressed at all (:func:`may_pay`), so incompressible mantissa planes cost a few microseconds.
 
-How it is fast (benchmarks/README.md "bench_codec.py" has the figures, per core): the split is one truncating cast
-per plane of the elements read ``i`` bytes on (an unaligned integer view), written straight into the frame, plus
-a few uint8 operations for the regrouping (:func:`_split_into`); zstd is called through its C API (python-zstandard's
-cffi backend) with literals always Huffman-coded and the fast strategy's match search skipping ahead
+How it is fast (benchmarks/README.md "bench_codec.py" has the figures, per core): the split, the merge and the
+sample's byte statistics run in C (``ckptstore/format/_planes.c``, an optional extension built at install where a
+compiler exists: one pass each, the GIL released; 8 GB/s split and merge of float32 per core here, where the numpy
+code below, kept as the fallback and as the tests' reference, does 2-4 and 1.5-2); without it the split is one
+truncating cast per plane of the elements read ``i`` bytes on (an unaligned integer view), written straight into
+the frame, plus a few uint8 operations for the regrouping (:func:`_split_into`). zstd is called through its C API
+(python-zstandard's cffi backend) with literals always Huffman-coded and the fast strategy's match search skipping ahead
 (:data:`_C_PARAMS`), so it spends its time on Huffman coding, not on the matches a byte plane hardly has: 2x
 faster than level 1 with a small hash table, and 1-3% smaller; a plane over half one value is also tried with the
 full search (runs are matches) and the smaller kept, one of 90% or more only with it. Decoding is one
-``ZSTD_decompressDCtx`` per zstd plane into a buffer of its exact length, then the top planes regrouped in uint8
-and one strided byte copy per plane (:func:`_merge_into`). Where cffi is missing, python-zstandard's own API
+``ZSTD_decompressDCtx`` per zstd plane into a buffer of its exact length (this thread's, reused: :func:`_scratch`),
+then the merge (in C, or the top planes regrouped in uint8 and one strided byte copy per plane:
+:func:`_merge_into`). What is left is zstd's Huffman coding of the exponent plane(s), ~0.7 GB/s to encode and
+~1.5 GB/s to decode per byte of plane on this machine's cores: the bound on a float32 chunk (one such plane in
+four bytes), twice as tight on bfloat16 and on Adam's second moment (two). Where cffi is missing, python-zstandard's own API
 codes the planes (the same frames, compressed with ``_PARAMS``: level 1, 32 KiB window, 256-entry hash table,
 7-byte matches, about half as fast).
 
@@ -120,14 +126,14 @@ def _c_ctx(kind: str):
     return ctx
 
 
-_SCRATCH_MAX = 4 << 20              # bytes: larger planes get a buffer of their own each time
+_SCRATCH_MAX = 2 << 20              # bytes: larger planes get a buffer of their own each time (8 MiB a thread)
 
 
 def _scratch(slot: str, size: int) -> np.ndarray:
     """A uint8 buffer of ``size`` bytes for a plane on its way (a zstd plane being written or read), this
     thread's own and reused from call to call up to :data:`_SCRATCH_MAX` bytes (a fresh buffer costs its page
     faults on every chunk: ~10% of decoding one, measured here); 4 slots a thread at most (``c``, ``r``: the
-    encoder's two searches, ``d0``, ``d1``: the decoder's top two planes), 16 MiB. Valid until
+    encoder's two searches, ``d0``, ``d1``: the decoder's top two planes), 8 MiB. Valid until
     this thread asks for ``slot`` again."""
     if size > _SCRATCH_MAX:
         return np.empty(size, dtype=np.uint8)

@@ -3,8 +3,10 @@ references.
 
 Chunks run through a thread pool: hashing (BLAKE3) and compression (zstd, planes) release the GIL and writes wait on
 the disk, so hashing one chunk overlaps with writing another. Large chunks become blobs of their own; small
-ones are hashed in batches and the new ones appended to packs (see :mod:`ckptstore.format.packs`). Within one save, a
-chunk is never written twice. Nothing here knows steps or manifests.
+ones are hashed in batches and the new ones appended to packs (see :mod:`ckptstore.format.packs`): raw, packs
+are assembled whole and written by the pool; with a codec, each batch is hashed and encoded in one task and the
+saving thread streams the packs as batches finish (:func:`_pack_encoded`). Within one save, a chunk is never
+written twice. Nothing here knows steps or manifests.
 """
 from __future__ import annotations
 
