@@ -5,8 +5,8 @@
  * split(src, dst, k, transform): the k byte planes of the m = len(src) / k elements of src into dst (k rows of m
  *     bytes: plane i = byte i of every element, little-endian), the top two regrouped for transform 1.
  * merge(dst, planes, transform): the inverse, from a sequence of k buffers of m bytes each (k = len(planes)).
- * sample_stats(planes, k, piece): per plane, the sum of c log2 c over its sample's byte counts c, and the largest
- *     count (planes.may_pay's order-0 entropy and runs tests).
+ * sample_stats(planes, k, piece): per plane, the sum of c log2 c over its sample's byte counts c, the largest
+ *     count, the sum of c * c and how many bytes repeat the one before (planes.may_pay's entropy and runs tests).
  *
  * transform 1 (planes.EXPONENT): with T, U the top two bytes of an element, plane k-1 holds (T << 1 | U >> 7) &
  * 0xFF (the 8 bits after the sign: a float32 / bfloat16 exponent) and plane k-2 (U & 0x7F) | (T & 0x80).
@@ -245,7 +245,8 @@ done:
 
 /* sample_stats(planes, k, piece): for each of the k rows of planes (k * m bytes), over the whole row when
  * m <= 4 * piece, else over 4 pieces of piece bytes starting at j * (m / 4), j = 0..3 (planes.may_pay's sample):
- * (sum over byte values of c * log2(c) for the values' counts c, the largest count), as a tuple of k tuples. */
+ * (sum over byte values of c * log2(c) for the values' counts c, the largest count, the sum of c * c, the number
+ * of bytes equal to the one before them in their piece), as a tuple of k tuples. */
 static PyObject *sample_stats(PyObject *self, PyObject *args) {
     Py_buffer src;
     int k;
@@ -259,42 +260,44 @@ static PyObject *sample_stats(PyObject *self, PyObject *args) {
         goto done;
     }
     uint32_t c[8][256];
-    double xlogx[8];
-    uint32_t top[8];
+    double xlogx[8], sumsq[8];
+    uint32_t top[8], reps[8];
     memset(c, 0, sizeof(c));
     size_t m = (size_t)src.len / (size_t)k, p = (size_t)piece;
     const uint8_t *a = (const uint8_t *)src.buf;
     Py_BEGIN_ALLOW_THREADS
     for (int i = 0; i < k; i++) {
         const uint8_t *row = a + (size_t)i * m;
-        uint32_t *ci = c[i];
-        if (m <= 4 * p) {
-            for (size_t x = 0; x < m; x++)
-                ci[row[x]]++;
-        } else {
-            for (int j = 0; j < 4; j++) {
-                const uint8_t *q = row + (size_t)j * (m / 4);
-                for (size_t x = 0; x < p; x++)
-                    ci[q[x]]++;
+        uint32_t *ci = c[i], r = 0;
+        int pieces = m <= 4 * p ? 1 : 4;
+        size_t len = m <= 4 * p ? m : p;
+        for (int j = 0; j < pieces; j++) {
+            const uint8_t *q = row + (size_t)j * (m / 4);
+            for (size_t x = 0; x < len; x++) {
+                ci[q[x]]++;
+                r += x && q[x] == q[x - 1];
             }
         }
-        double sum = 0.0;
+        double sum = 0.0, sq = 0.0;
         uint32_t best = 0;
         for (int v = 0; v < 256; v++) {
             if (ci[v] > 1)
                 sum += (double)ci[v] * log2((double)ci[v]);
+            sq += (double)ci[v] * (double)ci[v];
             if (ci[v] > best)
                 best = ci[v];
         }
         xlogx[i] = sum;
+        sumsq[i] = sq;
         top[i] = best;
+        reps[i] = r;
     }
     Py_END_ALLOW_THREADS
     res = PyTuple_New(k);
     if (res == NULL)
         goto done;
     for (int i = 0; i < k; i++) {
-        PyObject *t = Py_BuildValue("(dI)", xlogx[i], top[i]);
+        PyObject *t = Py_BuildValue("(dIdI)", xlogx[i], top[i], sumsq[i], reps[i]);
         if (t == NULL) {
             Py_CLEAR(res);
             goto done;
@@ -307,7 +310,7 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"sample_stats", sample_stats, METH_VARARGS, "sample_stats(planes, k, piece): (sum c log2 c, top count) a plane."},
+    {"sample_stats", sample_stats, METH_VARARGS, "sample_stats(planes, k, piece): (sum c log2 c, top count, sum c*c, repeats) a plane."},
     {"split", split, METH_VARARGS, "split(src, dst, k, transform): the k byte planes of src's elements into dst."},
     {"merge", merge, METH_VARARGS, "merge(dst, planes, transform): the elements of k byte planes into dst."},
     {NULL, NULL, 0, NULL},

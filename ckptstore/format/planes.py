@@ -189,39 +189,58 @@ _XLOG2 = np.arange(4 * _HIST_SAMPLE + 1) * np.log2(np.maximum(np.arange(4 * _HIS
 def may_pay(planes: np.ndarray):
     """For each row of ``planes`` (uint8, ``k`` x ``m``, ``m`` > 0): whether it could be stored in <=
     :data:`MIN_GAIN` of its size by an order-0 entropy coder (zstd's Huffman-coded literals, counting
-    :data:`_CODER_BYTES` for the coder's table and frame; booleans), and how much of it is one byte value (integers:
-    0 under half, 1 over half, :data:`_RUNS_ONLY` from 90%, where Huffman's floor of 1 bit per byte leaves the
-    match search the better coder: a delta's top planes); by the byte histogram of the row or, above 4 KiB, of a
-    sample (4 pieces of 1 KiB spread over it); one ``bincount`` for all rows. A plane of near-uniform bytes (a
-    float's low mantissa bytes: 7.99 bits each) has nothing for zstd to find; this costs a few microseconds where
-    compressing a 64 KiB sample cost 40-250 (measured here)."""
+    :data:`_CODER_BYTES` for the coder's table and frame; booleans), and which match search to try (integers: 0
+    the skipping one alone; 1 the full one too, the smaller frame kept: over half one value *in runs*;
+    :data:`_RUNS_ONLY` the full one alone: 90% or more one value, where Huffman's floor of 1 bit per byte leaves
+    the match search the better coder: a delta's top planes); by the byte statistics of the row or, above 4 KiB,
+    of a sample (4 pieces of 1 KiB spread over it). A plane of near-uniform bytes (a float's low mantissa bytes:
+    7.99 bits each) has nothing for zstd to find; this costs ~1 us where compressing a 64 KiB sample cost 40-250
+    (measured here).
+
+    Runs: the bytes equal to the one before them, against what independent bytes of the same histogram would
+    give (the sum of the squared frequencies). A plane of mostly one value scattered (a delta's third plane: 88%
+    zeros) gains nothing from the full search, which took 2.3x the skipping one's time there and was 7% larger;
+    runs (an embedding's unused rows in Adam's moments) are matches it finds (8% smaller there)."""
     k, m = planes.shape
     n = min(m, 4 * _HIST_SAMPLE)
+    pairs = max(1, n - (1 if m <= 4 * _HIST_SAMPLE else 4))
     pays, runs = [], []
-    for xlogx, top in _sample_stats(planes):
+    for xlogx, top, sumsq, reps in _sample_stats(planes):
         bits = _XLOG2[n] - xlogx                          # n H: the sample's order-0 information
         pays.append(bits / 8 + _CODER_BYTES * n / m <= MIN_GAIN * n)
-        runs.append((top * 2 > n) + (top * 10 >= 9 * n))
+        if top * 10 >= 9 * n:
+            runs.append(_RUNS_ONLY)
+        elif top * 2 > n:
+            p = top / n
+            runs.append(int(reps / pairs - sumsq / (n * n) > max(_RUNS_EXCESS, 0.25 * p * (1 - p))))
+        else:
+            runs.append(0)
     return pays, runs
+
+
+_RUNS_EXCESS = 0.03                 # repeats above independent bytes' that count as runs (a 4 KiB sample's noise: ~0.016)
 
 
 def _sample_stats(planes: np.ndarray):
     """Per row of ``planes`` (uint8, ``k`` x ``m``, C-contiguous), over its whole bytes up to ``4 *
     _HIST_SAMPLE``, else 4 pieces of :data:`_HIST_SAMPLE` bytes starting at ``j * (m // 4)``: (the sum of ``c
-    log2 c`` over the byte values' counts ``c``, the largest count). In C where built (one pass, ~1 us for a small
-    chunk where numpy's dozen calls cost ~25 us), else one numpy ``bincount``."""
+    log2 c`` over the byte values' counts ``c``, the largest count, the sum of ``c * c``, how many bytes equal the
+    one before them in their piece). In C where built (one pass, ~1 us for a small chunk where numpy's dozen calls
+    cost ~25 us), else numpy."""
     k, m = planes.shape
     if _native is not None:
         return _native.sample_stats(planes, k, _HIST_SAMPLE)
     if m <= 4 * _HIST_SAMPLE:
-        s = planes
+        s = planes[:, None, :]
     else:
         step = m // 4
-        s = np.concatenate([planes[:, i * step: i * step + _HIST_SAMPLE] for i in range(4)], axis=1)
-    idx = s.astype(np.intp)
+        s = np.stack([planes[:, i * step: i * step + _HIST_SAMPLE] for i in range(4)], axis=1)
+    reps = (s[:, :, 1:] == s[:, :, :-1]).sum(axis=(1, 2))
+    idx = s.reshape(k, -1).astype(np.intp)
     idx += (np.arange(k, dtype=np.intp) * 256)[:, None]
     c = np.bincount(idx.ravel(), minlength=256 * k).reshape(k, 256)
-    return list(zip(_XLOG2[c].sum(axis=1).tolist(), c.max(axis=1).tolist()))
+    sq = (c.astype(np.float64) ** 2).sum(axis=1)
+    return list(zip(_XLOG2[c].sum(axis=1).tolist(), c.max(axis=1).tolist(), sq.tolist(), reps.tolist()))
 
 
 _BLOCK = 1 << 16                    # elements per block of the split / merge: the block's bytes stay in cache

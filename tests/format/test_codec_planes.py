@@ -502,7 +502,7 @@ def test_c_split_and_merge_are_built_where_a_compiler_was():
        spread=st.sampled_from([1, 4, 256]))
 def test_c_sample_statistics_equal_the_numpy_ones(m, k, seed, spread):
     """may_pay's decision comes from the same numbers either way: the C sample (whole rows up to 4 KiB, else 4
-    pieces of 1 KiB) gives numpy's byte counts' sum of c log2 c and largest count."""
+    pieces of 1 KiB) gives numpy's byte counts' sum of c log2 c, largest count, sum of squares, and repeats."""
     rows = np.random.default_rng(seed).integers(0, spread, (k, m), dtype=np.uint8)
     got = planes._sample_stats(rows)
     native, planes._native = planes._native, None
@@ -510,5 +510,29 @@ def test_c_sample_statistics_equal_the_numpy_ones(m, k, seed, spread):
         want = planes._sample_stats(rows)
     finally:
         planes._native = native
-    assert [t for _, t in got] == [t for _, t in want]
-    assert np.allclose([x for x, _ in got], [x for x, _ in want], rtol=1e-12, atol=1e-9)
+    assert [(t, r) for _, t, _, r in got] == [(t, r) for _, t, _, r in want]
+    assert np.allclose([(x, q) for x, _, q, _ in got], [(x, q) for x, _, q, _ in want], rtol=1e-12, atol=1e-9)
+
+
+def test_the_full_match_search_is_tried_for_runs_not_for_scattered_values():
+    """may_pay's choice of match search per plane: a plane mostly of one value *in runs* (an embedding's unused
+    rows in Adam's moments) is tried with the full search too, one of the same share scattered at random (a
+    delta's third plane) with the skipping search alone, one of 90% or more with the full search alone; and the
+    frames chosen are no larger than with both searches tried on every plane."""
+    rng = np.random.default_rng(5)
+    m = 1 << 16
+    runs = rng.integers(1, 256, m, dtype=np.uint8)
+    runs[: m * 6 // 10] = 0                                          # 60% zeros, one run...
+    runs = runs.reshape(512, -1)[rng.permutation(512)].ravel()       # ...cut into rows of 128, shuffled
+    scattered = np.where(rng.random(m) < 0.88, 0, rng.integers(1, 256, m)).astype(np.uint8)
+    mostly = np.where(rng.random(m) < 0.97, 0, rng.integers(1, 256, m)).astype(np.uint8)
+    uniform = rng.integers(0, 256, m, dtype=np.uint8)
+    rows = np.stack([uniform, runs, scattered, mostly])
+    pays, how = planes.may_pay(rows)
+    assert list(pays) == [False, True, True, True]
+    assert list(how) == [0, 1, 0, planes._RUNS_ONLY]
+    for plane, h in zip(rows[1:], how[1:]):
+        fast, full = planes._compress_plane(plane, m), planes._compress_plane(plane, m, True)
+        fast, full = (None if x is None else len(x) for x in (fast, full))
+        if h == 0:
+            assert fast <= full                                      # the skipped search would not have paid
