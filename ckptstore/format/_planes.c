@@ -5,6 +5,8 @@
  * split(src, dst, k, transform): the k byte planes of the m = len(src) / k elements of src into dst (k rows of m
  *     bytes: plane i = byte i of every element, little-endian), the top two regrouped for transform 1.
  * merge(dst, planes, transform): the inverse, from a sequence of k buffers of m bytes each (k = len(planes)).
+ * diff(a, b, out, k) / undiff(out, key, k): the delta codec's zigzag-coded difference and its inverse
+ *     (ckptstore/format/delta.py).
  * sample_stats(planes, k, piece): per plane, the sum of c log2 c over its sample's byte counts c, the largest
  *     count, the sum of c * c and how many bytes repeat the one before (planes.may_pay's entropy and runs tests).
  *
@@ -309,7 +311,83 @@ done:
     return res;
 }
 
+/* diff(a, b, out, k): out = the zigzag-coded difference a - b of a and b read as k-byte little-endian integers
+ * (k = 2, 4 or 8; modulo 2^(8k)), the last len mod k bytes XORed (delta.diff's). undiff(out, key, k): the inverse
+ * in place, out = key + unzigzag(out). */
+#define ZZ_LOOP(T, ST, BITS)                                                                                      \
+    for (size_t i = 0; i < m; i++) {                                                                          \
+        T x, y;                                                                                                \
+        memcpy(&x, a + i * sizeof(T), sizeof(T));                                                              \
+        memcpy(&y, b + i * sizeof(T), sizeof(T));                                                              \
+        T d = (T)(x - y);                                                                                      \
+        T z = (T)((T)(d << 1) ^ (T)(-(T)(d >> (BITS - 1))));                                                   \
+        memcpy(o + i * sizeof(T), &z, sizeof(T));                                                              \
+    }
+#define UNZZ_LOOP(T, BITS)                                                                                        \
+    for (size_t i = 0; i < m; i++) {                                                                          \
+        T z, y;                                                                                                \
+        memcpy(&z, o + i * sizeof(T), sizeof(T));                                                              \
+        memcpy(&y, b + i * sizeof(T), sizeof(T));                                                              \
+        T d = (T)((T)(z >> 1) ^ (T)(-(T)(z & 1)));                                                             \
+        T x = (T)(y + d);                                                                                      \
+        memcpy(o + i * sizeof(T), &x, sizeof(T));                                                              \
+    }
+
+static PyObject *zigzag(PyObject *args, int inverse) {
+    Py_buffer A, B, O;
+    int k;
+    PyObject *res = NULL;
+    if (inverse) {
+        if (!PyArg_ParseTuple(args, "w*y*i:undiff", &O, &B, &k))
+            return NULL;
+        A.buf = NULL;
+        A.obj = NULL;
+        A.len = O.len;
+    } else if (!PyArg_ParseTuple(args, "y*y*w*i:diff", &A, &B, &O, &k)) {
+        return NULL;
+    }
+    if (k != 2 && k != 4 && k != 8) {
+        PyErr_Format(PyExc_ValueError, "delta: element size %d (2, 4 or 8)", k);
+        goto done;
+    }
+    if (A.len != B.len || O.len != B.len) {
+        PyErr_Format(PyExc_ValueError, "delta: %zd, %zd and %zd bytes", A.len, B.len, O.len);
+        goto done;
+    }
+    if ((!inverse && overlap(&A, &O)) || overlap(&B, &O)) {
+        PyErr_SetString(PyExc_ValueError, "delta: the output overlaps an input");
+        goto done;
+    }
+    size_t n = (size_t)O.len, m = n / (size_t)k, w = m * (size_t)k;
+    const uint8_t *a = (const uint8_t *)A.buf, *b = (const uint8_t *)B.buf;
+    uint8_t *o = (uint8_t *)O.buf;
+    Py_BEGIN_ALLOW_THREADS
+    if (inverse) {
+        if (k == 2) { UNZZ_LOOP(uint16_t, 16) } else if (k == 4) { UNZZ_LOOP(uint32_t, 32) } else { UNZZ_LOOP(uint64_t, 64) }
+        for (size_t i = w; i < n; i++)
+            o[i] ^= b[i];
+    } else {
+        if (k == 2) { ZZ_LOOP(uint16_t, int16_t, 16) } else if (k == 4) { ZZ_LOOP(uint32_t, int32_t, 32) } else { ZZ_LOOP(uint64_t, int64_t, 64) }
+        for (size_t i = w; i < n; i++)
+            o[i] = a[i] ^ b[i];
+    }
+    Py_END_ALLOW_THREADS
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    if (!inverse)
+        PyBuffer_Release(&A);
+    PyBuffer_Release(&B);
+    PyBuffer_Release(&O);
+    return res;
+}
+
+static PyObject *diff(PyObject *self, PyObject *args) { return zigzag(args, 0); }
+static PyObject *undiff(PyObject *self, PyObject *args) { return zigzag(args, 1); }
+
 static PyMethodDef methods[] = {
+    {"diff", diff, METH_VARARGS, "diff(a, b, out, k): the zigzag-coded k-byte integer difference a - b into out."},
+    {"undiff", undiff, METH_VARARGS, "undiff(out, key, k): the inverse of diff, in place."},
     {"sample_stats", sample_stats, METH_VARARGS, "sample_stats(planes, k, piece): (sum c log2 c, top count, sum c*c, repeats) a plane."},
     {"split", split, METH_VARARGS, "split(src, dst, k, transform): the k byte planes of src's elements into dst."},
     {"merge", merge, METH_VARARGS, "merge(dst, planes, transform): the elements of k byte planes into dst."},

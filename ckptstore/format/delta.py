@@ -82,6 +82,9 @@ def diff(a, b, k: int) -> np.ndarray:
     if x.size != y.size:
         raise ValueError(f"difference of {x.size} and {y.size} bytes")
     o = np.empty(x.size, dtype=np.uint8)
+    if planes._native is not None:                      # the same loop in C: one pass (ckptstore/format/_planes.c)
+        planes._native.diff(x, y, o, k)
+        return o
     w = x.size // k * k
     if w:
         d = np.subtract(x[:w].view(_UINT[k]), y[:w].view(_UINT[k])).view(_INT[k])    # modulo 2^(8k)
@@ -97,6 +100,9 @@ def diff(a, b, k: int) -> np.ndarray:
 def undiff(out: memoryview, key, k: int) -> None:
     """The inverse of :func:`diff`, in place: ``out`` holds the coded difference and becomes ``key + d``."""
     o, y = np.frombuffer(out, dtype=np.uint8), np.frombuffer(key, dtype=np.uint8)
+    if planes._native is not None:
+        planes._native.undiff(o, y, k)
+        return
     w = o.size // k * k
     if w:
         u = o[:w].view(_UINT[k])

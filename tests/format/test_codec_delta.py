@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from ckptstore import CorruptCheckpointError, IncompatibleCheckpointError, Packing, Remote, Retention, Store, Writing
-from ckptstore.format import delta, manifest as mf
+from ckptstore.format import delta, manifest as mf, planes
 from helpers import bits_equal, cli, rewrite_manifest, step_dir
 
 K = 2
@@ -260,6 +260,34 @@ def test_delta_round_trip_any_bytes(pair, itemsize):
     out = bytearray(len(data))
     delta.decode_into(frame, key, "ab" * 32, memoryview(out))
     assert bytes(out) == data
+
+
+@pytest.mark.skipif(planes._native is None, reason="the C kernels (ckptstore/format/_planes.c) are not built here")
+@settings(max_examples=80, deadline=None)
+@given(pair=st.integers(0, 3000).flatmap(lambda n: st.tuples(st.binary(min_size=n, max_size=n),
+                                                             st.binary(min_size=n, max_size=n))),
+       k=st.sampled_from([2, 4, 8]))
+def test_c_difference_equals_the_numpy_one(pair, k):
+    """The C zigzag difference and its inverse give the numpy code's bytes (any lengths, tails, every
+    carry and sign pattern), and undo each other."""
+    a, b = pair
+    got = delta.diff(a, b, k)
+    native, planes._native = planes._native, None
+    try:
+        want = delta.diff(a, b, k)
+        back = bytearray(got.tobytes())
+        delta.undiff(memoryview(back), b, k)
+    finally:
+        planes._native = native
+    assert got.tobytes() == want.tobytes()
+    assert bytes(back) == a
+    back = bytearray(got.tobytes())
+    delta.undiff(memoryview(back), b, k)
+    assert bytes(back) == a
+    with pytest.raises(ValueError):
+        planes._native.diff(a, b + b"x", bytearray(len(a)), k)
+    with pytest.raises(ValueError):
+        planes._native.undiff(bytearray(len(a)), b, 3)
 
 
 @pytest.mark.remote
