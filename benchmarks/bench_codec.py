@@ -16,7 +16,9 @@ the codec), and a bfloat16 copy of its weights. Tensor classes: fp32 weights, Ad
 2. The whole fp32 state (weights + AdamW) on disk: ckptstore raw / zstd-1 / auto, DCP (``dcp.save`` with
    ``FileSystemWriter``) and DCP with its ``ZStandard`` stream extension where torch has it.
 3. A blocking ``Store.save`` of the fp32 state + bf16 weights with ``codec="auto"`` against ``codec="raw"`` (and
-   zstd-1), fresh store each run, contenders alternated (benchmarks/harness.py); ``x raw`` is the ratio.
+   zstd-1), fresh store each run, contenders alternated (benchmarks/harness.py); ``x raw`` is the ratio. Twice:
+   with the default ``Packing`` (this model's tensors are all under 4 MiB: packs, encoded by the pool and streamed
+   to disk), and with ``Packing(threshold=64 KiB)`` (``, blobs``: each tensor a blob, as a large model's are).
 4. The delta codec (``Writing(codec="auto", deltas=K)``, ckptstore/format/delta.py): training goes on from the
    state of 1., a save every ``--delta-every`` training steps (default 1), ``--delta-saves`` saves (default 8).
    Per class: raw / stored of the full chunks (planes) and of the delta against the chunk ``d`` saves back
@@ -171,12 +173,13 @@ def disk_sizes(model, opt, base):
     return sizes
 
 
-def save_contender(state, codec, base) -> H.Contender:
-    label = f"save, {codec}"
+def save_contender(state, codec, base, blobs: bool = False) -> H.Contender:
+    label = f"save, {codec}" + (", blobs" if blobs else "")
 
     def run(res: H.Results, d) -> None:
-        from ckptstore import Store, Writing
-        with Store(d, writing=Writing(codec=codec)) as s:
+        from ckptstore import Packing, Store, Writing
+        packing = Packing(threshold=64 << 10) if blobs else Packing()
+        with Store(d, writing=Writing(codec=codec, packing=packing)) as s:
             with res.timed(label) as m:
                 r = s.save(state, 1)
             m["bytes"] = r.bytes_written
@@ -317,12 +320,14 @@ def main() -> int:
         out_rows, sizes = codec_sections(model, opt, classes, args, base)
     print("\n3. blocking Store.save, fp32 state + bf16 weights")
     state = {"model": model, "optimizer": opt, "bf16": {f"p{i}": t for i, t in enumerate(classes["bf16 weights"])}}
-    res = H.compare([save_contender(state, c, base) for c in ("raw", "zstd", "auto")], args.repeat)
+    res = H.compare([save_contender(state, c, base, blobs) for blobs in (False, True)
+                     for c in ("raw", "zstd", "auto")], args.repeat)
     total = sum(C.nbytes(t) for t in C.state_tensors(model, opt)) + sum(C.nbytes(t) for t in classes["bf16 weights"])
-    print(res.table(ratios={"x raw": lambda r: "save, raw"}, fmt="{:.3f}",
+    anchor = {"x raw": lambda r: "save, raw" + (", blobs" if r.name.endswith("blobs") else "")}
+    print(res.table(ratios=anchor, fmt="{:.3f}",
                     columns=[("written/raw", lambda r: f"{r.median('bytes') / total:.3f}")]))
     deltas, saves = delta_section(model, opt, args, base) if not args.save_only else ([], [])
-    H.write_json(args.json, args, codecs=out_rows, disk=sizes, rows=res.to_json({"x raw": lambda r: "save, raw"}),
+    H.write_json(args.json, args, codecs=out_rows, disk=sizes, rows=res.to_json(anchor),
                  deltas=deltas, delta_saves=saves)
     return 0
 
