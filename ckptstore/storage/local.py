@@ -550,7 +550,8 @@ def atomic_file(path, *, prefix: Optional[str] = None, suffix: str = ""):
 
 
 class LocalNewFile(NewFile):
-    """:meth:`LocalStorage.open_new`'s file: pieces gathered in this thread's page-aligned bounce buffer and
+    """:meth:`LocalStorage.open_new`'s file: pieces gathered in this thread's page-aligned bounce buffer (taken
+    until :meth:`discard`, then given back) and
     written in pieces of up to :data:`BOUNCE_BYTES` (O_DIRECT where the storage uses it: the disk writes while
     the caller goes on producing the next pieces), to ``<folder>/new.tmp-<pid>-<random>``, then linked
     (create-only, as :meth:`LocalStorage.write_new`: the name durable after :meth:`LocalStorage.sync`) or renamed
@@ -571,7 +572,9 @@ class LocalNewFile(NewFile):
                 raise
             storage._direct = self._direct = False    # a filesystem without O_DIRECT (tmpfs)
             self._fd = os.open(full, flags, 0o644)
-        self._buf = memoryview(storage._bounce(BOUNCE_BYTES))
+        self._bounce = storage._bounce(BOUNCE_BYTES)
+        storage._tls.bounce = None          # taken: a write of this thread meanwhile gets a bounce buffer of its own
+        self._buf = memoryview(self._bounce)
         self._fill = 0
 
     def write(self, data: Buffer) -> None:
@@ -648,8 +651,14 @@ class LocalNewFile(NewFile):
             _unlink_quiet(self.tmp)
             self.tmp = None
         if self._buf is not None:
-            self._buf.release()                     # the bounce buffer is this thread's, reused
+            self._buf.release()
             self._buf = None
+            tls = self._storage._tls                # the bounce buffer back to this thread, unless it has another
+            if getattr(tls, "bounce", None) is None:
+                tls.bounce = self._bounce
+            else:
+                self._bounce.close()
+            self._bounce = None
 
 
 def _write_loop(fd: int, mv: memoryview) -> None:

@@ -179,3 +179,21 @@ def test_a_save_that_dies_mid_pack_leaves_a_temp_file_gc_removes(tmp_path, monke
         os.utime(left[0], (old, old))
         assert s.gc().temp_files_removed == 1 and not left[0].exists()
         assert bits_equal(s.load(1), state) and s.steps() == [1]
+
+
+def test_a_write_of_the_same_thread_meanwhile_does_not_touch_the_pieces_pending(tmp_path):
+    """A new file's pending pieces sit in the thread's O_DIRECT bounce buffer; a write_new of unaligned bytes by
+    the same thread before the file is named (bounced through O_DIRECT too) gets a buffer of its own."""
+    st = LocalStorage(str(tmp_path))
+    rng = np.random.default_rng(9)
+    first, other = rng.integers(0, 256, 3 << 20, dtype=np.uint8), rng.integers(0, 256, (2 << 20) + 1, dtype=np.uint8)
+    f = st.open_new("packs/aa")
+    try:
+        f.write(first.tobytes())                       # pending: under the 16 MiB buffer, not written yet
+        assert st.write_new("objects/x", memoryview(other.tobytes())[1:])     # unaligned: bounced
+        f.write(b"tail")
+        assert f.link("packs/bb/p.pack")
+    finally:
+        f.discard()
+    assert st.read_bytes("packs/bb/p.pack") == first.tobytes() + b"tail"
+    assert st.read_bytes("objects/x") == other.tobytes()[1:]
