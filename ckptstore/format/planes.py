@@ -23,8 +23,9 @@ truncating cast per plane of the elements read ``i`` bytes on (an unaligned inte
 the frame, plus a few uint8 operations for the regrouping (:func:`_split_into`). zstd is called through its C API
 (python-zstandard's cffi backend) with literals always Huffman-coded and the fast strategy's match search skipping ahead
 (:data:`_C_PARAMS`), so it spends its time on Huffman coding, not on the matches a byte plane hardly has: 2x
-faster than level 1 with a small hash table, and 1-3% smaller; a plane over half one value is also tried with the
-full search (runs are matches) and the smaller kept, one of 90% or more only with it. Decoding is one
+faster than level 1 with a small hash table, and 1-3% smaller; a plane over half one value *in runs* is also tried
+with the full search (runs are matches) and the smaller kept, one of 90% or more only with it (:func:`may_pay`).
+Decoding is one
 ``ZSTD_decompressDCtx`` per zstd plane into a buffer of its exact length (this thread's, reused: :func:`_scratch`),
 then the merge (in C, or the top planes regrouped in uint8 and one strided byte copy per plane:
 :func:`_merge_into`). What is left is zstd's Huffman coding of the exponent plane(s), ~0.7 GB/s to encode and
