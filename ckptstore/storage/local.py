@@ -298,12 +298,29 @@ class LocalStorage(Storage):
         full = self._abs(path)
         tmp = self._write_temp(full, data)
         try:
-            os.replace(tmp, full)
+            self._install_temp(tmp, full)
         except BaseException:
             _unlink_quiet(tmp)
             raise
+
+    def _install_temp(self, tmp: str, full: str) -> None:
+        """Rename the fsynced temp file ``tmp`` over ``full``, then fsync its directory and every directory on its
+        path this storage created (:meth:`write_atomic`, :meth:`LocalNewFile.replace`)."""
+        os.replace(tmp, full)
         _fsync_dir(os.path.dirname(full))
-        self._flush_dirs()                  # and every directory on its path this storage created
+        self._flush_dirs()
+
+    def _link_temp(self, tmp: str, full: str) -> bool:
+        """``link(2)`` the finished temp file ``tmp`` at ``full``, create-only; False when ``full`` exists. The
+        caller unlinks ``tmp``; the new name is made durable by :meth:`sync` (:meth:`write_new`,
+        :meth:`LocalNewFile.link`)."""
+        try:
+            os.link(tmp, full)
+        except FileExistsError:
+            return False
+        with self._lock:
+            self._unsynced.add(full)
+        return True
 
     def write_new(self, path: str, data: Buffer) -> bool:
         """Create-only, via ``link(2)`` of a finished temp file: never exposes a partial file, never replaces.
@@ -317,14 +334,9 @@ class LocalStorage(Storage):
             return False
         tmp = self._write_temp(full, data, fsync=False)
         try:
-            os.link(tmp, full)
-        except FileExistsError:
-            return False
+            return self._link_temp(tmp, full)
         finally:
             _unlink_quiet(tmp)
-        with self._lock:
-            self._unsynced.add(full)
-        return True
 
     def open_new(self, folder: str) -> "LocalNewFile":
         """See :meth:`Storage.open_new`: the pieces streamed to a temp file in ``folder`` (garbage collection
@@ -618,14 +630,10 @@ class LocalNewFile(NewFile):
         full = storage._abs(path)
         tmp = self._finish() if self._fd is not None else self.tmp
         storage._ensure_parent(full)
-        try:
-            os.link(tmp, full)
-        except FileExistsError:
-            return False
+        if not storage._link_temp(tmp, full):
+            return False                            # the temp file stays, for replace()
         _unlink_quiet(tmp)
         self.tmp = None
-        with storage._lock:
-            storage._unsynced.add(full)
         return True
 
     def replace(self, path: str) -> None:
@@ -638,10 +646,8 @@ class LocalNewFile(NewFile):
         finally:
             os.close(fd)
         storage._ensure_parent(full)
-        os.replace(tmp, full)
+        storage._install_temp(tmp, full)
         self.tmp = None
-        _fsync_dir(os.path.dirname(full))
-        storage._flush_dirs()
 
     def discard(self) -> None:
         if self._fd is not None:
