@@ -225,22 +225,17 @@ def _pack_encoded(small, results, blobs, index, packing, codec, level, executor,
     the pool still hashes and encodes the last. Before (hash all, then encode all, then write each pack whole)
     a blocking save with ``codec="auto"`` took 1.4x a raw one here; see benchmarks/README.md "bench_codec.py".
     A chunk met twice in one save is encoded twice, stored once."""
-    def hash_and_encode(lo: int, hi: int):
+    def hash_and_encode(batch: List[int]):
         t0 = time.perf_counter()
-        ids = [digest_bytes(small[i][2]) for i in range(lo, hi)]
+        ids = [digest_bytes(small[i][2]) for i in batch]
         t1 = time.perf_counter()
         enc = [None if index is not None and index.get(cid) is not None
-               else encode_chunk(small[i][2], codec, level, small[i][3]) for i, cid in zip(range(lo, hi), ids)]
+               else encode_chunk(small[i][2], codec, level, small[i][3]) for i, cid in zip(batch, ids)]
         account(0, t1 - t0, time.perf_counter() - t1)
         return ids, enc
 
-    bounds, lo, size = [], 0, 0
-    for i, (_, _, v, _) in enumerate(small):
-        size += len(v)
-        if size >= _ENCODE_BATCH_BYTES or i == len(small) - 1:
-            bounds.append((lo, i + 1))
-            lo, size = i + 1, 0
-    futures = [executor.submit(hash_and_encode, lo, hi) for lo, hi in bounds]
+    batches = _batches(list(range(len(small))), lambda i: len(small[i][2]), _ENCODE_BATCH_BYTES)
+    futures = [executor.submit(hash_and_encode, b) for b in batches]
     ids: List[Optional[str]] = [None] * len(small)
     placed: Dict[str, ChunkRef] = {}
     packed = set()                                   # chunk ids in a pack of this save
@@ -252,9 +247,9 @@ def _pack_encoded(small, results, blobs, index, packing, codec, level, executor,
         account(wrote, 0.0, time.perf_counter() - t0, st.chunks)
         placed.update((r.blob_id, r) for r in refs)
     try:
-        for f, (lo, hi) in zip(futures, bounds):
+        for f, batch in zip(futures, batches):
             got, enc = f.result()
-            for i, cid, e in zip(range(lo, hi), got, enc):
+            for i, cid, e in zip(batch, got, enc):
                 ids[i] = cid
                 if e is None or cid in packed:
                     continue
