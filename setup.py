@@ -7,4 +7,4 @@ it and ckptstore/format/planes.py uses its numpy code (same frames, slower); ``C
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("ckptstore.format._planes", ["ckptstore/format/_planes.c"], optional=True,
-                             extra_compile_args=["-O3"], libraries=["m"])])
+                             extra_compile_args=["-O3"], libraries=["m", "pthread"])])

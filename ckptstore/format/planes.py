@@ -15,10 +15,14 @@ does, at a cost of a few passes over two planes instead of two over the whole ch
 frame or raw, whichever is smaller; only planes whose sampled byte histogram (4 x 1 KiB) promises >= 3% are
 compressed at all (:func:`may_pay`), so incompressible mantissa planes cost a few microseconds.
 
-How it is fast (benchmarks/README.md "bench_codec.py" has the figures, per core): the split, the merge and the
-sample's byte statistics run in C (``ckptstore/format/_planes.c``, an optional extension built at install where a
-compiler exists: one pass each, the GIL released; 8 GB/s split and merge of float32 per core here, where the numpy
-code below, kept as the fallback and as the tests' reference, does 2-4 and 1.5-2); without it the split is one
+How it is fast (benchmarks/README.md "bench_codec.py" has the figures, per core): where the optional C extension
+was built at install (``ckptstore/format/_planes.c``: a compiler existed) and zstd's C API is reachable, a whole
+frame is one C call per chunk, the GIL released (:data:`_whole`: the split, may_pay's decision, the zstd calls
+through python-zstandard's own functions, the header; decoding likewise, every check below made in the same order
+with the same words): a 1 KiB chunk costs ~5 us where the Python code below, kept as the fallback and as the
+tests' reference, spends ~20-30 us on views and calls. Without the zstd C API the split, the merge and the
+sample's byte statistics still run in C (one pass each; 8 GB/s split and merge of float32 per core here, where the
+numpy code does 2-4 and 1.5-2); without the extension the split is one
 truncating cast per plane of the elements read ``i`` bytes on (an unaligned integer view), written straight into
 the frame, plus a few uint8 operations for the regrouping (:func:`_split_into`). zstd is called through its C API
 (python-zstandard's cffi backend) with literals always Huffman-coded and the fast strategy's match search skipping ahead
@@ -73,6 +77,7 @@ _SAMPLE = 16 << 10                  # bytes per piece of sample() (zstd chunks a
 MIN_GAIN = 0.97                     # a plane (and the frame) is kept compressed only at <= 97% of its raw size
 _HIST_SAMPLE = 1 << 10              # bytes per piece of the sample whose byte histogram decides (may_pay)
 _CODER_BYTES = 64                   # a zstd frame's header + a Huffman table, about (bytes)
+_RUNS_EXCESS = 0.03                 # repeats above independent bytes' that count as runs (a 4 KiB sample's noise: ~0.016)
 _RUNS_ONLY = 2                      # may_pay's mark of a plane >= 90% one value: the full match search alone
 _DCTX_READ = 1 << 20
 _PARAMS = zstandard.ZstdCompressionParameters.from_level(1, window_log=15, hash_log=8, min_match=7,
@@ -108,6 +113,14 @@ if os.environ.get("CKPTSTORE_NATIVE", "1") != "0":
     except ImportError:             # pragma: no cover (no compiler where it was installed)
         _native = None
 _local = threading.local()          # zstd contexts per thread (a context is not thread-safe)
+#: Whole frames in C (``_native.encode`` / ``_native.decode_into``: one call per chunk, the GIL released), where
+#: both the extension and zstd's C API are here: zstd's functions are handed to it once, by address.
+_whole = False
+if _native is not None and _lib is not None and hasattr(_native, "configure"):
+    _native.configure(*(int(_ffi.cast("uintptr_t", _ffi.addressof(_lib, name))) for name in (
+        "ZSTD_compress2", "ZSTD_decompressDCtx", "ZSTD_isError", "ZSTD_getErrorCode", "ZSTD_getErrorName")),
+        int(_lib.ZSTD_error_dstSize_tooSmall), MIN_GAIN, float(_CODER_BYTES), _HIST_SAMPLE, _RUNS_EXCESS)
+    _whole = True
 
 
 def _c_ctx(kind: str):
@@ -125,6 +138,15 @@ def _c_ctx(kind: str):
             ctx = _ffi.gc(_lib.ZSTD_createDCtx(), _lib.ZSTD_freeDCtx)
         setattr(_local, kind, ctx)
     return ctx
+
+
+def _c_addr(kind: str) -> int:
+    """The address of this thread's zstd context ``kind`` (:func:`_c_ctx`), for the C frame code."""
+    addr = getattr(_local, "addr_" + kind, None)
+    if addr is None:
+        addr = int(_ffi.cast("uintptr_t", _c_ctx(kind)))
+        setattr(_local, "addr_" + kind, addr)
+    return addr
 
 
 _SCRATCH_MAX = 2 << 20              # bytes: larger planes get a buffer of their own each time (8 MiB a thread)
@@ -218,8 +240,6 @@ def may_pay(planes: np.ndarray):
             runs.append(0)
     return pays, runs
 
-
-_RUNS_EXCESS = 0.03                 # repeats above independent bytes' that count as runs (a 4 KiB sample's noise: ~0.016)
 
 
 def _sample_stats(planes: np.ndarray):
@@ -352,6 +372,9 @@ def encode(data, itemsize: int, *, transform: int = EXPONENT) -> bytearray:
     m = n // k
     hs = header_size(k)
     frame = bytearray(hs + n)
+    if _whole and k > 1:
+        del frame[_native.encode(a, frame, k, transform, _c_addr("c"), _c_addr("r")):]
+        return frame
     buf = np.frombuffer(frame, dtype=np.uint8)
     body = buf[hs: hs + m * k].reshape(k, m)
     if k == 1:
@@ -447,6 +470,11 @@ def decode_into(frame, out: memoryview) -> None:
     planes' stored lengths do not add up to the frame, or a plane does not decode to its length. Allocates,
     besides ``out``, its zstd planes (at most ``len(out)`` bytes together) and, for floats, three temporaries of
     one plane (``len(out) / k`` bytes each); never anything by what the frame claims."""
+    if _whole:
+        try:
+            return _native.decode_into(frame, out, _c_addr("d"))
+        except ValueError as e:
+            raise FrameError(str(e)) from None
     mv = memoryview(frame)
     transform, k, n, planes, pos = parse_header(mv)
     if n != len(out):

@@ -301,11 +301,16 @@ NATIVE = pytest.mark.skipif(planes._native is None, reason="the C split/merge (c
                             "not built here (no compiler at install, or CKPTSTORE_NATIVE=0)")
 
 
-@pytest.fixture(params=["c", "numpy"])
+@pytest.fixture(params=["frame", "c", "numpy"])
 def split_merge(request, monkeypatch):
-    """Each test once with the C split / merge (where built) and once with the numpy code."""
+    """Each test once with whole frames in C (where built), once with the C split / merge under planes.py's own
+    frame code, and once with the numpy code."""
+    if request.param == "frame" and not planes._whole:
+        pytest.skip("the C frame code is not built here (or zstd's C API is not reachable)")
     if request.param == "c" and planes._native is None:
         pytest.skip("the C split/merge is not built here")
+    if request.param != "frame":
+        monkeypatch.setattr(planes, "_whole", False)
     if request.param == "numpy":
         monkeypatch.setattr(planes, "_native", None)
     return request.param
@@ -353,6 +358,7 @@ def test_frames_decode_the_same_through_either_zstd_binding(monkeypatch):
     datas = [(_floats(n, n, k), k) for n in (4097, 300_003) for k in (2, 4, 8)]
     c_frames = [bytes(planes.encode(d, k)) for d, k in datas]
     monkeypatch.setattr(planes, "_lib", None)
+    monkeypatch.setattr(planes, "_whole", False)
     py_frames = [bytes(planes.encode(d, k)) for d, k in datas]
     for (d, k), f in zip(datas, c_frames):
         out = bytearray(len(d))
@@ -453,6 +459,71 @@ def test_c_split_and_merge_equal_the_numpy_code(data, k, transform):
     out = bytearray(m * k)
     planes._native.merge(out, [want[i] for i in range(k)], transform)
     assert bytes(out) == data[: m * k]
+
+
+WHOLE = pytest.mark.skipif(not planes._whole, reason="the C frame code (ckptstore/format/_planes.c) is not built "
+                           "here, or zstd's C API is not reachable")
+
+
+@WHOLE
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2 ** 32 - 1), n=st.sampled_from([0, 1, 7, 64, 1023, 4097, 20_001, 70_003]),
+       k=st.sampled_from([2, 4, 8]), transform=st.sampled_from([planes.NONE, planes.EXPONENT]),
+       kind=st.sampled_from(["floats", "bytes", "few", "runs", "zeros"]))
+def test_c_frames_equal_the_python_code(seed, n, k, transform, kind):
+    """One C call per chunk (planes._native.encode / decode_into) writes the frame planes.py's own code writes,
+    byte for byte (the same split, the same may_pay decisions, the same zstd calls), and reads it back: floats,
+    random bytes, a few values, runs of one value, zeros."""
+    rng = np.random.default_rng(seed)
+    data = {"floats": lambda: _floats(n, seed % 1000, k),
+            "bytes": lambda: rng.integers(0, 256, n, dtype=np.uint8).tobytes(),
+            "few": lambda: rng.integers(0, 3, n, dtype=np.uint8).tobytes(),
+            "runs": lambda: np.repeat(rng.integers(0, 256, n // 37 + 1, dtype=np.uint8), 37)[:n].tobytes(),
+            "zeros": lambda: bytes(n)}[kind]()
+    got = bytes(planes.encode(data, k, transform=transform))
+    planes._whole = False
+    try:
+        want = bytes(planes.encode(data, k, transform=transform))
+    finally:
+        planes._whole = True
+    assert got == want
+    out = bytearray(n)
+    planes.decode_into(got, memoryview(out))
+    assert out == data
+
+
+@WHOLE
+def test_c_decoding_refuses_what_the_python_code_refuses_with_its_words():
+    """Damaged frames (every header field, each byte flipped at random, cut short, lengthened, the wrong expected
+    length): the C decoder raises the FrameError planes.py's code raises, with the same message, or decodes the
+    same bytes where a flip lands in a raw plane."""
+    rng = np.random.default_rng(1)
+    x = _floats(20_002, 3, 4)
+    f = bytes(planes.encode(x, 4))
+    cases = [f[:10], f[:20], b"XXXX" + f[4:], f[:4] + b"\x02" + f[5:], f[:5] + b"\x07" + f[6:],
+             f[:6] + b"\x03" + f[7:], f[:7] + b"\x02" + f[8:], f + b"z", f[:-1]]
+    for _ in range(150):
+        for span in (len(f), planes.header_size(4)):
+            g = bytearray(f)
+            g[rng.integers(0, span)] ^= 1 << rng.integers(0, 8)
+            cases.append(bytes(g))
+    errors = 0
+    for expected in (len(x), len(x) - 1):
+        for case in cases:
+            seen = []
+            for whole in (True, False):
+                planes._whole = whole
+                out = bytearray(expected)
+                try:
+                    planes.decode_into(case, memoryview(out))
+                    seen.append(bytes(out))
+                except planes.FrameError as e:
+                    seen.append(str(e))
+                finally:
+                    planes._whole = True
+            assert seen[0] == seen[1]
+            errors += isinstance(seen[0], str)
+    assert errors > len(cases)                       # most cases are refused (all with the wrong length)
 
 
 @NATIVE
