@@ -88,19 +88,44 @@ def _zstd_pays(data, level: int) -> bool:
     return len(compress(s, level)) <= _MIN_ZSTD_GAIN * s.size
 
 
-def encode_chunk(data, codec: str, level: int = 1, itemsize: Optional[int] = None) -> Tuple[str, object]:
+_frames = threading.local()         # per thread: the frame buffer encode_chunk(reuse=True) writes into
+FRAME_BUFFER_MAX = 64 << 20         # bytes: a larger chunk's frame gets a buffer of its own each time
+
+
+def _frame_buffer(size: int) -> memoryview:
+    """This thread's frame buffer, at least ``size`` bytes (kept up to :data:`FRAME_BUFFER_MAX`)."""
+    if size > FRAME_BUFFER_MAX:
+        return memoryview(bytearray(size))
+    buf = getattr(_frames, "buf", None)
+    if buf is None or len(buf) < size:
+        buf = _frames.buf = bytearray(max(size, 1 << 20))
+    return memoryview(buf)
+
+
+def encode_chunk(data, codec: str, level: int = 1, itemsize: Optional[int] = None, *,
+                 reuse: bool = False) -> Tuple[str, object]:
     """How one chunk is stored: ``(codec used, stored bytes)``, the raw ``data`` itself when nothing pays.
 
     ``codec``: ``"raw"``; ``"zstd"`` (one zstd frame at ``level``, kept where it saves >= 3%); ``"auto"``: a chunk
     of a floating-point tensor (``itemsize``: its element size in bytes, from
     :func:`ckptstore.format.planes.float_itemsize`; ``None`` for other dtypes) as a ``planes`` frame, any other
     as zstd tried first on a sample; either kept only where it saves >= 3% (issue 30; measured in
-    benchmarks/README.md "bench_codec.py"). The chunk's id is the BLAKE3 of ``data`` whatever is chosen."""
+    benchmarks/README.md "bench_codec.py"). The chunk's id is the BLAKE3 of ``data`` whatever is chosen.
+
+    ``reuse``: a planes frame may be written into this thread's frame buffer and returned as a memoryview of it,
+    valid only until this thread's next ``encode_chunk(..., reuse=True)``: for a caller that writes the bytes
+    out before it encodes again (:meth:`BlobStore.put`). A fresh frame costs its page faults on every chunk,
+    ~2 us a 4 KiB page on this VM: as much as the coding itself (benchmarks/README.md "bench_codec.py")."""
     n = len(data)
     if codec == "raw" or not n:
         return "raw", data
     if codec == "auto" and itemsize is not None:
-        frame = planes.encode(data, itemsize)
+        if reuse:
+            buf = _frame_buffer(planes.header_size(8) + n)
+            end = planes.encode_into(data, itemsize, buf)
+            frame = buf[:end]
+        else:
+            frame = planes.encode(data, itemsize)
         return ("planes", frame) if len(frame) <= _MIN_ZSTD_GAIN * n else ("raw", data)
     if codec not in ("zstd", "auto"):
         raise ValueError(f"unknown codec {codec!r}")
@@ -362,7 +387,7 @@ class BlobStore:
         present = self._reusable(blob_id, len(data))
         if present is not None:
             return present, 0
-        codec, payload = encode_chunk(data, codec, level, itemsize)
+        codec, payload = encode_chunk(data, codec, level, itemsize, reuse=True)   # written out before the next
         return codec, self._write(blob_id, codec, payload)
 
     def put_stored(self, blob_id: str, codec: str, nbytes: int, read) -> int:

@@ -358,7 +358,21 @@ def encode(data, itemsize: int, *, transform: int = EXPONENT) -> bytearray:
     """The frame of ``data`` (a bytes-like object of any length) as ``itemsize``-byte elements (1, 2, 4, 8), as
     a ``bytearray``. Always returns a frame (it may be larger than ``data``: the caller keeps raw bytes when it
     does not pay). ``transform``: :data:`EXPONENT` for floats (the exponent fills the top plane), :data:`NONE`
-    otherwise. Raises ``ValueError`` for another element size or transform.
+    otherwise. Raises ``ValueError`` for another element size or transform. :func:`encode_into` writes it into a
+    buffer of the caller's."""
+    n = np.frombuffer(data, dtype=np.uint8).size
+    frame = bytearray(header_size(itemsize if itemsize in SIZES else 1) + n)
+    end = encode_into(data, itemsize, frame, transform=transform)
+    del frame[end:]
+    return frame
+
+
+def encode_into(data, itemsize: int, out, *, transform: int = EXPONENT) -> int:
+    """Write the frame of ``data`` (see :func:`encode`) into the start of ``out`` (a writable buffer of at least
+    ``header_size(itemsize) + len(data)`` bytes) and return its length in bytes. A buffer reused from chunk to
+    chunk costs no page faults, where a fresh one costs them on every chunk (~2 us a 4 KiB page on this VM: as
+    much as the coding, benchmarks/README.md "bench_codec.py"). Raises ``ValueError`` for another element size or
+    transform, or an ``out`` too small.
 
     The planes are written straight into the frame at their raw places; a plane that compresses is replaced by
     its zstd frame and the planes after it move down, so a chunk is copied once (its planes) besides zstd."""
@@ -371,11 +385,12 @@ def encode(data, itemsize: int, *, transform: int = EXPONENT) -> bytearray:
     n = a.size
     m = n // k
     hs = header_size(k)
-    frame = bytearray(hs + n)
+    if len(memoryview(out).cast("B")) < hs + n:
+        raise ValueError(f"planes: a frame of {n} bytes needs {hs + n} bytes of buffer")
     if _whole and k > 1:
-        del frame[_native.encode(a, frame, k, transform, _c_addr("c"), _c_addr("r")):]
-        return frame
-    buf = np.frombuffer(frame, dtype=np.uint8)
+        with memoryview(out).cast("B")[: hs + n] as frame:
+            return _native.encode(a, frame, k, transform, _c_addr("c"), _c_addr("r"))
+    buf = np.frombuffer(out, dtype=np.uint8)[: hs + n]
     body = buf[hs: hs + m * k].reshape(k, m)
     if k == 1:
         body[0] = a[:m]
@@ -387,10 +402,8 @@ def encode(data, itemsize: int, *, transform: int = EXPONENT) -> bytearray:
     tail = n - m * k
     if tail:
         buf[pos: pos + tail] = a[m * k:]
-    frame[: hs] = _HEADER.pack(MAGIC, VERSION, transform, k, k, n) + b"".join(heads)
-    del buf, body                       # no view of the frame may stay for it to shrink
-    del frame[pos + tail:]
-    return frame
+    buf[: hs] = np.frombuffer(_HEADER.pack(MAGIC, VERSION, transform, k, k, n) + b"".join(heads), dtype=np.uint8)
+    return pos + tail
 
 
 def parse_header(frame) -> tuple:

@@ -120,12 +120,14 @@ class Storage(ABC):
 
     @abstractmethod
     def write_atomic(self, path: str, data: Buffer) -> None:
-        """Create or replace ``path`` with ``data``, atomically and durably."""
+        """Create or replace ``path`` with ``data``, atomically and durably. ``data`` is not used after this
+        returns (a caller may reuse its buffer: :meth:`BlobStore.put <ckptstore.format.blobs.BlobStore.put>`)."""
 
     @abstractmethod
     def write_new(self, path: str, data: Buffer) -> bool:
         """Create ``path`` with ``data`` if it does not exist; return False (writing nothing) if it does.
-        Atomic; durable once :meth:`sync` returns (object stores: at once)."""
+        Atomic; durable once :meth:`sync` returns (object stores: at once). ``data`` is not used after this
+        returns (as :meth:`write_atomic`)."""
 
     @abstractmethod
     def listdir(self, path: str) -> List[str]:
