@@ -150,6 +150,25 @@ KERNEL merge8(uint8_t *o, const uint8_t *const *src, size_t m, int transform) {
     }
 }
 
+/* The kernel for element size k (2, 4 or 8). */
+static void split_k(const uint8_t *a, uint8_t *out, size_t m, int k, int transform) {
+    if (k == 2)
+        split2(a, out, m, transform);
+    else if (k == 4)
+        split4(a, out, m, transform);
+    else
+        split8(a, out, m, transform);
+}
+
+static void merge_k(uint8_t *o, const uint8_t *const *src, size_t m, int k, int transform) {
+    if (k == 2)
+        merge2(o, src, m, transform);
+    else if (k == 4)
+        merge4(o, src, m, transform);
+    else
+        merge8(o, src, m, transform);
+}
+
 static int overlap(const Py_buffer *a, const Py_buffer *b) {
     const char *x = (const char *)a->buf, *y = (const char *)b->buf;
     return a->len && b->len && x < y + b->len && y < x + a->len;
@@ -186,12 +205,7 @@ static PyObject *split(PyObject *self, PyObject *args) {
     }
     size_t m = (size_t)src.len / (size_t)k;
     Py_BEGIN_ALLOW_THREADS
-    if (k == 2)
-        split2((const uint8_t *)src.buf, (uint8_t *)dst.buf, m, transform);
-    else if (k == 4)
-        split4((const uint8_t *)src.buf, (uint8_t *)dst.buf, m, transform);
-    else
-        split8((const uint8_t *)src.buf, (uint8_t *)dst.buf, m, transform);
+    split_k((const uint8_t *)src.buf, (uint8_t *)dst.buf, m, k, transform);
     Py_END_ALLOW_THREADS
     res = Py_None;
     Py_INCREF(res);
@@ -240,12 +254,7 @@ static PyObject *merge(PyObject *self, PyObject *args) {
         ptrs[got] = (const uint8_t *)planes[got].buf;
     }
     Py_BEGIN_ALLOW_THREADS
-    if (k == 2)
-        merge2((uint8_t *)dst.buf, ptrs, m, transform);
-    else if (k == 4)
-        merge4((uint8_t *)dst.buf, ptrs, m, transform);
-    else
-        merge8((uint8_t *)dst.buf, ptrs, m, transform);
+    merge_k((uint8_t *)dst.buf, ptrs, m, (int)k, transform);
     Py_END_ALLOW_THREADS
     res = Py_None;
     Py_INCREF(res);
@@ -255,6 +264,37 @@ done:
     Py_XDECREF(fast);
     PyBuffer_Release(&dst);
     return res;
+}
+
+/* One row's sample statistics (planes.may_pay's sample: the whole row when m <= 4 * piece, else 4 pieces of
+ * piece bytes starting at j * (m / 4)): sum of c log2 c over its byte counts c, the largest count, the sum of
+ * c * c, the bytes equal to the one before them in their piece; returns the sample's length. */
+static size_t row_stats(const uint8_t *row, size_t m, size_t p, double *xlogx, uint32_t *top, double *sumsq,
+                        uint32_t *reps) {
+    uint32_t c[256], r = 0, best = 0;
+    memset(c, 0, sizeof(c));
+    int pieces = m <= 4 * p ? 1 : 4;
+    size_t len = m <= 4 * p ? m : p;
+    for (int j = 0; j < pieces; j++) {
+        const uint8_t *q = row + (size_t)j * (m / 4);
+        for (size_t x = 0; x < len; x++) {
+            c[q[x]]++;
+            r += x && q[x] == q[x - 1];
+        }
+    }
+    double sum = 0.0, sq = 0.0;
+    for (int v = 0; v < 256; v++) {
+        if (c[v] > 1)
+            sum += (double)c[v] * log2((double)c[v]);
+        sq += (double)c[v] * (double)c[v];
+        if (c[v] > best)
+            best = c[v];
+    }
+    *xlogx = sum;
+    *top = best;
+    *sumsq = sq;
+    *reps = r;
+    return len * (size_t)pieces;
 }
 
 /* sample_stats(planes, k, piece): for each of the k rows of planes (k * m bytes), over the whole row when
@@ -273,39 +313,13 @@ static PyObject *sample_stats(PyObject *self, PyObject *args) {
                      piece);
         goto done;
     }
-    uint32_t c[8][256];
     double xlogx[8], sumsq[8];
     uint32_t top[8], reps[8];
-    memset(c, 0, sizeof(c));
     size_t m = (size_t)src.len / (size_t)k, p = (size_t)piece;
     const uint8_t *a = (const uint8_t *)src.buf;
     Py_BEGIN_ALLOW_THREADS
-    for (int i = 0; i < k; i++) {
-        const uint8_t *row = a + (size_t)i * m;
-        uint32_t *ci = c[i], r = 0;
-        int pieces = m <= 4 * p ? 1 : 4;
-        size_t len = m <= 4 * p ? m : p;
-        for (int j = 0; j < pieces; j++) {
-            const uint8_t *q = row + (size_t)j * (m / 4);
-            for (size_t x = 0; x < len; x++) {
-                ci[q[x]]++;
-                r += x && q[x] == q[x - 1];
-            }
-        }
-        double sum = 0.0, sq = 0.0;
-        uint32_t best = 0;
-        for (int v = 0; v < 256; v++) {
-            if (ci[v] > 1)
-                sum += (double)ci[v] * log2((double)ci[v]);
-            sq += (double)ci[v] * (double)ci[v];
-            if (ci[v] > best)
-                best = ci[v];
-        }
-        xlogx[i] = sum;
-        sumsq[i] = sq;
-        top[i] = best;
-        reps[i] = r;
-    }
+    for (int i = 0; i < k; i++)
+        row_stats(a + (size_t)i * m, m, p, &xlogx[i], &top[i], &sumsq[i], &reps[i]);
     Py_END_ALLOW_THREADS
     res = PyTuple_New(k);
     if (res == NULL)
@@ -434,28 +448,10 @@ static uint64_t get_u64(const uint8_t *p) {
 
 /* planes.may_pay for one row of m bytes: *pays (0/1), *runs (0, 1, 2 = _RUNS_ONLY). */
 static void row_decision(const uint8_t *row, size_t m, int *pays, int *runs) {
-    uint32_t c[256];
-    memset(c, 0, sizeof(c));
-    size_t p = (size_t)Z.hist_piece, len = m <= 4 * p ? m : p;
-    int pieces = m <= 4 * p ? 1 : 4;
-    uint32_t r = 0;
-    for (int j = 0; j < pieces; j++) {
-        const uint8_t *q = row + (size_t)j * (m / 4);
-        for (size_t x = 0; x < len; x++) {
-            c[q[x]]++;
-            r += x && q[x] == q[x - 1];
-        }
-    }
-    double xlogx = 0.0, sq = 0.0;
-    uint32_t top = 0;
-    for (int v = 0; v < 256; v++) {
-        if (c[v] > 1)
-            xlogx += (double)c[v] * log2((double)c[v]);
-        sq += (double)c[v] * (double)c[v];
-        if (c[v] > top)
-            top = c[v];
-    }
-    size_t n = len * (size_t)pieces;
+    double xlogx, sq;
+    uint32_t top, r;
+    size_t n = row_stats(row, m, (size_t)Z.hist_piece, &xlogx, &top, &sq, &r);
+    int pieces = m <= 4 * (size_t)Z.hist_piece ? 1 : 4;
     double dn = (double)n, pairs = (double)(n > (size_t)pieces ? n - (size_t)pieces : 1);
     double bits = (n > 1 ? dn * log2(dn) : 0.0) - xlogx;
     *pays = bits / 8 + Z.coder_bytes * dn / (double)m <= Z.min_gain * dn;
@@ -510,12 +506,7 @@ static PyObject *encode(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     uint8_t *body = f + hs;
     if (m) {
-        if (k == 2)
-            split2(a, body, m, transform);
-        else if (k == 4)
-            split4(a, body, m, transform);
-        else
-            split8(a, body, m, transform);
+        split_k(a, body, m, k, transform);
     }
     size_t pos = hs;
     for (int i = 0; i < k && !err && !nomem; i++) {
@@ -699,12 +690,7 @@ static PyObject *decode_into(PyObject *self, PyObject *args) {
             if (f[16] == 0)
                 memcpy(o, srcs[0], m);
         } else if (m) {
-            if (k == 2)
-                merge2(o, srcs, m, transform);
-            else if (k == 4)
-                merge4(o, srcs, m, transform);
-            else
-                merge8(o, srcs, m, transform);
+            merge_k(o, srcs, m, k, transform);
         }
         memcpy(o + m * (size_t)k, f + pos, tail);
     }
