@@ -241,7 +241,6 @@ def may_pay(planes: np.ndarray):
     return pays, runs
 
 
-
 def _sample_stats(planes: np.ndarray):
     """Per row of ``planes`` (uint8, ``k`` x ``m``, C-contiguous), over its whole bytes up to ``4 *
     _HIST_SAMPLE``, else 4 pieces of :data:`_HIST_SAMPLE` bytes starting at ``j * (m // 4)``: (the sum of ``c
