@@ -88,18 +88,7 @@ def _zstd_pays(data, level: int) -> bool:
     return len(compress(s, level)) <= _MIN_ZSTD_GAIN * s.size
 
 
-_frames = threading.local()         # per thread: the frame buffer encode_chunk(reuse=True) writes into
 FRAME_BUFFER_MAX = 64 << 20         # bytes: a larger chunk's frame gets a buffer of its own each time
-
-
-def _frame_buffer(size: int) -> memoryview:
-    """This thread's frame buffer, at least ``size`` bytes (kept up to :data:`FRAME_BUFFER_MAX`)."""
-    if size > FRAME_BUFFER_MAX:
-        return memoryview(bytearray(size))
-    buf = getattr(_frames, "buf", None)
-    if buf is None or len(buf) < size:
-        buf = _frames.buf = bytearray(max(size, 1 << 20))
-    return memoryview(buf)
 
 
 def encode_chunk(data, codec: str, level: int = 1, itemsize: Optional[int] = None, *,
@@ -121,9 +110,8 @@ def encode_chunk(data, codec: str, level: int = 1, itemsize: Optional[int] = Non
         return "raw", data
     if codec == "auto" and itemsize is not None:
         if reuse:
-            buf = _frame_buffer(planes.header_size(8) + n)
-            end = planes.encode_into(data, itemsize, buf)
-            frame = buf[:end]
+            buf = planes.scratch("frame", planes.header_size(8) + n, FRAME_BUFFER_MAX)
+            frame = memoryview(buf)[: planes.encode_into(data, itemsize, buf)]
         else:
             frame = planes.encode(data, itemsize)
         return ("planes", frame) if len(frame) <= _MIN_ZSTD_GAIN * n else ("raw", data)

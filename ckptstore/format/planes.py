@@ -30,7 +30,7 @@ the frame, plus a few uint8 operations for the regrouping (:func:`_split_into`).
 faster than level 1 with a small hash table, and 1-3% smaller; a plane over half one value *in runs* is also tried
 with the full search (runs are matches) and the smaller kept, one of 90% or more only with it (:func:`may_pay`).
 Decoding is one
-``ZSTD_decompressDCtx`` per zstd plane into a buffer of its exact length (this thread's, reused: :func:`_scratch`),
+``ZSTD_decompressDCtx`` per zstd plane into a buffer of its exact length (this thread's, reused: :func:`scratch`),
 then the merge (in C, or the top planes regrouped in uint8 and one strided byte copy per plane:
 :func:`_merge_into`). What is left is zstd's Huffman coding of the exponent plane(s), ~0.7 GB/s to encode and
 ~1.5 GB/s to decode per byte of plane on this machine's cores: the bound on a float32 chunk (one such plane in
@@ -152,13 +152,14 @@ def _c_addr(kind: str) -> int:
 _SCRATCH_MAX = 2 << 20              # bytes: larger planes get a buffer of their own each time (8 MiB a thread)
 
 
-def _scratch(slot: str, size: int) -> np.ndarray:
-    """A uint8 buffer of ``size`` bytes for a plane on its way (a zstd plane being written or read), this
-    thread's own and reused from call to call up to :data:`_SCRATCH_MAX` bytes (a fresh buffer costs its page
-    faults on every chunk: ~10% of decoding one, measured here); 4 slots a thread at most (``c``, ``r``: the
-    encoder's two searches, ``d0``, ``d1``: the decoder's top two planes), 8 MiB. Valid until
-    this thread asks for ``slot`` again."""
-    if size > _SCRATCH_MAX:
+def scratch(slot: str, size: int, keep: int = _SCRATCH_MAX) -> np.ndarray:
+    """A uint8 buffer of ``size`` bytes for bytes on their way, this thread's own and reused from call to call up
+    to ``keep`` bytes (a fresh buffer costs its page faults on every chunk: ~2 us a 4 KiB page here, ~10% of
+    decoding a chunk, as much as encoding one); larger ones are new each time. Slots: ``c``, ``r``: the
+    encoder's two searches, ``d0``, ``d1``: the decoder's top two planes (:data:`_SCRATCH_MAX` each, 8 MiB a
+    thread), ``frame``: the blob path's frames (:func:`ckptstore.format.blobs.encode_chunk`). Valid until this
+    thread asks for ``slot`` again."""
+    if size > keep:
         return np.empty(size, dtype=np.uint8)
     bufs = getattr(_local, "scratch", None)
     if bufs is None:
@@ -176,7 +177,7 @@ def _compress_plane(plane: np.ndarray, limit: int, runs: bool = False) -> Option
     if _lib is None:
         packed = zstandard.ZstdCompressor(compression_params=_PARAMS).compress(plane)
         return packed if len(packed) <= limit else None
-    dst = _scratch("r" if runs else "c", max(limit, 1))
+    dst = scratch("r" if runs else "c", max(limit, 1))
     r = _lib.ZSTD_compress2(_c_ctx("r" if runs else "c"), _ffi.from_buffer(dst), limit, _ffi.from_buffer(plane),
                             plane.size)
     if _lib.ZSTD_isError(r):
@@ -508,7 +509,7 @@ def decode_into(frame, out: memoryview) -> None:
             if k == 1:
                 plane = o[:m]
             else:                                         # the top two planes (a float's compressible ones)
-                plane = _scratch(f"d{k - 1 - i}", m) if i >= k - 2 else np.empty(m, dtype=np.uint8)
+                plane = scratch(f"d{k - 1 - i}", m) if i >= k - 2 else np.empty(m, dtype=np.uint8)
             if _zstd_into(src, memoryview(plane)) != m:
                 raise FrameError(f"planes frame: plane {i} decodes to fewer than its {m} bytes")
             src = plane
